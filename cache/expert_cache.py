@@ -1,0 +1,186 @@
+"""The device expert cache: a fixed pool of slots, a residency map and a replacement policy.
+
+`ExpertCache` holds the bookkeeping (which (layer, expert) sits in which slot, what the
+current step protects, hits/misses/prefetches); a backend moves the bytes. The engine
+uses `SlotBackend` (real tensors, async copies on CUDA); the trace replay uses
+`DryRunBackend`, so both run the same residency and policy code.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from cache.host_store import HostStore
+from cache.policy import ExpertKey, Policy
+from cache.stats import CacheStats
+
+
+class DryRunBackend:
+    """Moves nothing: for trace replay and tests of the bookkeeping."""
+
+    def __init__(self, bytes_per_expert: int = 0) -> None:
+        self.bytes_per_expert = bytes_per_expert
+
+    def load(self, key: ExpertKey, slot: int) -> None:
+        pass
+
+    def view(self, slot: int) -> None:
+        return None
+
+    def wait(self, slot: int) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+
+class SlotBackend:
+    """Preallocated device slots filled from the host store.
+
+    On CUDA a copy runs on a side stream and records an event; compute waits only for
+    the slot it is about to read, and a slot is refilled only after the compute that
+    last read it has finished.
+    """
+
+    def __init__(self, host: HostStore, num_slots: int, device: torch.device) -> None:
+        self.host = host
+        self.device = device
+        self.bytes_per_expert = host.bytes_per_expert
+        self.slots = torch.empty(num_slots, host.shape.numel, dtype=host.dtype, device=device)  # [S, 3*I*H]
+        self.cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._loaded: dict[int, torch.cuda.Event] = {}  # slot → copy done
+        self._released: dict[int, torch.cuda.Event] = {}  # slot → last compute on it done
+
+    def load(self, key: ExpertKey, slot: int) -> None:
+        src = self.host.get(key)
+        if not self.cuda:
+            self.slots[slot].copy_(src)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            released = self._released.pop(slot, None)
+            if released is not None:
+                self._copy_stream.wait_event(released)
+            self.slots[slot].copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._loaded[slot] = done
+        self.host.record_copy(src, done)
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.slots[slot]
+
+    def wait(self, slot: int) -> None:
+        done = self._loaded.pop(slot, None) if self.cuda else None
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def release(self, slot: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._released[slot] = event
+
+
+class ExpertCache:
+    def __init__(self, capacity: int, policy: Policy, stats: CacheStats, backend) -> None:
+        if capacity < 1:
+            raise ValueError("the expert cache needs at least one slot")
+        self.capacity = capacity
+        self.policy = policy
+        self.stats = stats
+        self.backend = backend
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self._protected: set[ExpertKey] = set()
+        self._prefetched_unused: set[ExpertKey] = set()
+        self._lock = threading.RLock()
+
+    # -- demand path -------------------------------------------------------------------
+    def acquire(self, layer: int, experts: Sequence[int]) -> list:
+        """Make `experts` of `layer` resident and protected; return their slot views.
+
+        At most `capacity` experts can be acquired at once (callers stream larger sets
+        in turns). Call `wait` before reading a view and `release` after the step.
+        """
+        if len(experts) > self.capacity:
+            raise ValueError(f"cannot hold {len(experts)} experts at once in {self.capacity} slots")
+        keys = [(layer, e) for e in experts]
+        with self._lock:
+            self._protected.update(keys)
+            views = []
+            for key in keys:
+                slot = self._slot_of.get(key)
+                if slot is None:
+                    self.stats.add("misses", layer)
+                    slot = self._load(key)
+                else:
+                    self.stats.add("hits", layer)
+                    if key in self._prefetched_unused:
+                        self._prefetched_unused.discard(key)
+                        self.stats.add("prefetch_used", layer)
+                self.policy.on_access(key)
+                views.append(self.backend.view(slot))
+            return views
+
+    def wait(self, layer: int, expert: int) -> None:
+        self.backend.wait(self._slot_of[(layer, expert)])
+
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        with self._lock:
+            for e in experts:
+                key = (layer, e)
+                self._protected.discard(key)
+                self.backend.release(self._slot_of[key])
+
+    # -- prefetch path -----------------------------------------------------------------
+    def prefetch(self, key: ExpertKey) -> bool:
+        """Load `key` ahead of need if that displaces nothing the policy values more."""
+        with self._lock:
+            if key in self._slot_of:
+                return False
+            if not self._free:
+                victim = self._victim()
+                if victim is None or self.policy.prefetch_priority(victim) >= self.policy.prefetch_priority(
+                    key
+                ):
+                    return False
+            self._load(key)
+            self._prefetched_unused.add(key)
+            self.stats.add("prefetches", key[0])
+            return True
+
+    # -- inspection --------------------------------------------------------------------
+    def is_resident(self, key: ExpertKey) -> bool:
+        return key in self._slot_of
+
+    def resident(self) -> list[ExpertKey]:
+        with self._lock:
+            return sorted(self._slot_of)
+
+    # -- internals ---------------------------------------------------------------------
+    def _victim(self) -> ExpertKey | None:
+        try:
+            return self.policy.victim(self._slot_of.keys(), self._protected)
+        except LookupError:  # every resident expert is protected
+            return None
+
+    def _load(self, key: ExpertKey) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self._victim()
+            if victim is None:
+                raise RuntimeError("expert cache full of protected experts")
+            slot = self._slot_of.pop(victim)
+            self._prefetched_unused.discard(victim)
+            self.policy.on_evict(victim)
+            self.stats.add("evictions", victim[0])
+        self.backend.load(key, slot)
+        self._slot_of[key] = slot
+        self.policy.on_insert(key)
+        self.stats.add("bytes_transferred", key[0], self.backend.bytes_per_expert)
+        return slot

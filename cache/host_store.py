@@ -1,0 +1,141 @@
+"""The host tier: every expert's weights as one contiguous buffer in RAM, or read from disk.
+
+An expert buffer is laid out as `gate [I, H] | up [I, H] | down [H, I]`, flat, in the
+compute dtype; on CUDA it is pinned so that host→device copies run asynchronously.
+With a RAM budget smaller than all experts, the store keeps a bounded LRU tier of
+buffers and reads the rest from the safetensors files on demand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache.policy import ExpertKey
+from cache.safetensors_index import TensorLocation, read_into
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of bytes on disk holding one part (gate, up or down) of one expert."""
+
+    path: Path
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+    @classmethod
+    def slice_of(
+        cls, loc: TensorLocation, index: int | None = None, part: int = 0, parts: int = 1
+    ) -> Segment:
+        """The `part`-th of `parts` equal row blocks of `loc` (or of `loc[index]` for fused tensors)."""
+        numel = 1
+        for d in loc.shape:
+            numel *= d
+        offset = loc.offset
+        if index is not None:
+            numel //= loc.shape[0]
+            offset += index * numel * loc.dtype.itemsize
+        numel //= parts
+        offset += part * numel * loc.dtype.itemsize
+        return cls(loc.path, offset, numel, loc.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    hidden: int  # H
+    intermediate: int  # I
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+
+class HostStore:
+    """(layer, expert) → flat host buffer, with at most `capacity` buffers in RAM."""
+
+    def __init__(
+        self,
+        sources: dict[ExpertKey, list[Segment]],
+        shape: ExpertShape,
+        dtype: torch.dtype,
+        capacity: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        self.sources = sources
+        self.shape = shape
+        self.dtype = dtype
+        self.capacity = len(sources) if capacity is None else max(1, min(capacity, len(sources)))
+        self.pin_memory = pin_memory
+        self.bytes_per_expert = shape.numel * dtype.itemsize
+        self.disk_reads = 0
+        self._resident: OrderedDict[ExpertKey, torch.Tensor] = OrderedDict()  # least recent first
+        self._in_flight: dict[int, object] = {}  # id(buffer) → event of the last copy out of it
+        self._lock = threading.Lock()
+
+    @property
+    def fully_resident(self) -> bool:
+        return self.capacity >= len(self.sources)
+
+    def preload(self) -> None:
+        """Read experts into RAM up to the budget (all of them when they fit)."""
+        for key in list(self.sources)[: self.capacity]:
+            self.get(key)
+
+    def get(self, key: ExpertKey) -> torch.Tensor:
+        with self._lock:
+            buffer = self._resident.get(key)
+            if buffer is not None:
+                self._resident.move_to_end(key)
+                return buffer
+            buffer = self._free_buffer()
+            self._read(key, buffer)
+            self._resident[key] = buffer
+            return buffer
+
+    def record_copy(self, buffer: torch.Tensor, event: object) -> None:
+        """A device copy out of `buffer` is in flight until `event` completes."""
+        if not self.fully_resident:
+            with self._lock:
+                self._in_flight[id(buffer)] = event
+
+    def _free_buffer(self) -> torch.Tensor:
+        if len(self._resident) < self.capacity:
+            return torch.empty(self.shape.numel, dtype=self.dtype, pin_memory=self.pin_memory)
+        _, buffer = self._resident.popitem(last=False)
+        event = self._in_flight.pop(id(buffer), None)
+        if event is not None:
+            event.synchronize()  # never overwrite a buffer a copy is still reading
+        return buffer
+
+    def _read(self, key: ExpertKey, buffer: torch.Tensor) -> None:
+        self.disk_reads += 1
+        start = 0
+        for seg in self.sources[key]:
+            dst = buffer[start : start + seg.numel]
+            if seg.dtype == self.dtype:
+                _read_segment(seg, dst)
+            else:
+                staging = torch.empty(seg.numel, dtype=seg.dtype)
+                _read_segment(seg, staging)
+                dst.copy_(staging)
+            start += seg.numel
+        if start != self.shape.numel:
+            raise ValueError(f"expert {key} has {start} elements on disk, expected {self.shape.numel}")
+
+
+def _read_segment(seg: Segment, dst: torch.Tensor) -> None:
+    raw = dst.view(torch.uint8).numpy()
+    fd = os.open(seg.path, os.O_RDONLY)
+    try:
+        read_into(fd, memoryview(raw), seg.offset)
+    finally:
+        os.close(fd)

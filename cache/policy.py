@@ -1,0 +1,129 @@
+"""Replacement policies for the expert cache.
+
+The cache unit is one (layer, expert). A policy sees every routing decision
+(`on_routing`), every use of a resident expert (`on_access`), every insertion and
+eviction, and chooses the victim when the cache is full. It may also name experts
+worth prefetching. The engine and the trace replay drive the *same* policy objects.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+ExpertKey = tuple[int, int]  # (MoE layer index 0..L-1, expert id)
+
+
+class Policy:
+    """Base class: the hooks a policy may use; all default to doing nothing."""
+
+    name = "base"
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+
+    def on_request_start(self, request_id: str) -> None:
+        pass
+
+    def on_request_end(self, request_id: str) -> None:
+        pass
+
+    def on_routing(self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str) -> None:
+        """A router at `layer` picked `expert_ids` (union over `tokens` tokens) in `phase`."""
+
+    def on_access(self, key: ExpertKey) -> None:
+        pass
+
+    def on_insert(self, key: ExpertKey) -> None:
+        pass
+
+    def on_evict(self, key: ExpertKey) -> None:
+        pass
+
+    def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
+        """The resident expert to evict; raises LookupError when all are protected."""
+        raise NotImplementedError
+
+    def prefetch_candidates(self, layer: int) -> list[ExpertKey]:
+        """Experts worth loading ahead after `layer`'s router ran, most wanted first."""
+        return []
+
+    def prefetch_priority(self, key: ExpertKey) -> float:
+        """How much the policy wants `key` now (higher keeps it); used to bound prefetch."""
+        return 0.0
+
+
+class LRUPolicy(Policy):
+    """Evict the expert whose last use is oldest."""
+
+    name = "lru"
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        super().__init__(num_layers, num_experts)
+        self._order: OrderedDict[ExpertKey, None] = OrderedDict()  # oldest first
+
+    def on_access(self, key: ExpertKey) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self.on_access(key)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
+        for key in self._order:
+            if key not in protected:
+                return key
+        raise LookupError("every resident expert is protected")
+
+
+class LFUPolicy(Policy):
+    """Evict the expert used least often since start (ties: least recently used)."""
+
+    name = "lfu"
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        super().__init__(num_layers, num_experts)
+        self._counts: dict[ExpertKey, int] = {}
+        self._recency = LRUPolicy(num_layers, num_experts)
+
+    def on_access(self, key: ExpertKey) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+        self._recency.on_access(key)
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self._recency.on_insert(key)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        self._recency.on_evict(key)
+
+    def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
+        best, best_count = None, None
+        for key in self._recency._order:  # oldest first, so ties go to the least recent
+            if key in protected:
+                continue
+            count = self._counts.get(key, 0)
+            if best_count is None or count < best_count:
+                best, best_count = key, count
+        if best is None:
+            raise LookupError("every resident expert is protected")
+        return best
+
+
+PolicyFactory = Callable[[int, int], Policy]
+POLICIES: dict[str, PolicyFactory] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    POLICIES[name] = factory
+
+
+def make_policy(name: str, num_layers: int, num_experts: int) -> Policy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    return factory(num_layers, num_experts)

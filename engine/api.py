@@ -1,0 +1,122 @@
+"""The engine's public types: what the server sends in and what streams back.
+
+The server depends only on these and on `EngineClient` (engine/client.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """Base class of errors the engine reports to its caller."""
+
+
+class InvalidRequestError(EngineError):
+    """The request cannot run as given (the server answers 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(InvalidRequestError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="messages", code="context_length_exceeded")
+
+
+class QueueFullError(EngineError):
+    """The engine's queue is at `--max-queue` (the server answers 503)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is still loading or its worker has died (the server answers 503)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token plus that many
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (self.top_logprobs is None or 0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            ),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(f"{param} {message}", param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One step of output. `text` may be empty while a possible stop string is held back."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # set on the last event

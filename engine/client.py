@@ -1,0 +1,139 @@
+"""`EngineClient`: the only thing the server talks to.
+
+One worker thread owns the device. It loads the engine, then runs requests one at a time
+in arrival order. `generate` bridges the worker's events into an asyncio iterator;
+leaving that iterator early (a client disconnect) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.api import (
+    EngineUnavailableError,
+    GenerationEvent,
+    GenerationRequest,
+    QueueFullError,
+)
+from engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    emit: Callable[[object], None]  # thread-safe: GenerationEvent, an exception, or _STOP
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineClient:
+    def __init__(self, load_engine: Callable[[], Engine], max_queue: int = 64) -> None:
+        self.max_queue = max_queue
+        self.engine: Engine | None = None
+        self.error: str | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._active: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._loaded = threading.Event()
+        self._worker = threading.Thread(
+            target=self._run, args=(load_engine,), name="engine-worker", daemon=True
+        )
+        self._worker.start()
+
+    # -- health ------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.error is None and self._worker.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting or running."""
+        with self._lock:
+            return len(self._active)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until loading has finished (or failed); True when ready."""
+        self._loaded.wait(timeout)
+        return self.ready
+
+    # -- requests ----------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        engine = self._require_engine()
+        engine.validate(request)  # raises InvalidRequestError before anything is queued
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[object] = asyncio.Queue()
+        job = _Job(request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        with self._lock:
+            if len(self._active) >= self.max_queue:
+                raise QueueFullError(f"the engine queue is full ({self.max_queue} requests); retry later")
+            self._active[request.request_id] = job
+        self._jobs.put(job)
+        finished = False
+        try:
+            while True:
+                item = await events.get()
+                if item is _STOP:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                job.aborted.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            job = self._active.get(request_id)
+        if job is not None:
+            job.aborted.set()
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=10)
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- worker ------------------------------------------------------------------------
+    def _require_engine(self) -> Engine:
+        if self.error is not None:
+            raise EngineUnavailableError(f"the engine failed: {self.error}")
+        if self.engine is None:
+            raise EngineUnavailableError("the model is still loading")
+        if not self._worker.is_alive():
+            raise EngineUnavailableError("the engine worker has stopped")
+        return self.engine
+
+    def _run(self, load_engine: Callable[[], Engine]) -> None:
+        try:
+            self.engine = load_engine()
+        except Exception as e:  # surfaced through /health and every request
+            log.exception("loading the engine failed")
+            self.error = f"{type(e).__name__}: {e}"
+            return
+        finally:
+            self._loaded.set()
+        while (job := self._jobs.get()) is not None:
+            self._run_job(self.engine, job)
+
+    def _run_job(self, engine: Engine, job: _Job) -> None:
+        try:
+            if not job.aborted.is_set():  # a queued request whose client left never starts
+                for event in engine.generate(job.request, job.aborted.is_set):
+                    job.emit(event)
+        except Exception as e:
+            log.exception("request %s failed", job.request.request_id)
+            job.emit(e)
+        finally:
+            with self._lock:
+                self._active.pop(job.request.request_id, None)
+            job.emit(_STOP)

@@ -1,0 +1,49 @@
+"""Engine configuration: a frozen dataclass, validated on construction.
+
+The server's CLI, `MOE_SERVE_*` variables and YAML presets map one-to-one onto these
+fields (flag `--expert-cache-gb` ↔ field `expert_cache_gb`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF folder or hub id; None: the built-in demo model
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    expert_cache_experts: int | None = None  # device cache size in experts ...
+    expert_cache_gb: float | None = None  # ... or in GiB; neither: a quarter of all experts
+    host_cache_gb: float | None = None  # RAM tier budget; None: all experts in RAM
+    policy: str = "sparsity-aware"
+    prefetch: bool = True
+    eamc_path: str | None = None  # None: one file per model under the state folder
+    eamc_capacity: int = 1000
+    record_trace: str | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.expert_cache_experts is not None and self.expert_cache_gb is not None:
+            raise ValueError("give --expert-cache-experts or --expert-cache-gb, not both")
+        positive = {
+            "expert_cache_experts": self.expert_cache_experts,
+            "expert_cache_gb": self.expert_cache_gb,
+            "host_cache_gb": self.host_cache_gb,
+            "max_model_len": self.max_model_len,
+            "eamc_capacity": self.eamc_capacity,
+        }
+        for name, value in positive.items():
+            if value is not None and value <= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive, not {value}")

@@ -1,0 +1,295 @@
+"""The engine: one loaded model, its tokenizer and expert cache, and the generation loop.
+
+Runs one request at a time (the worker in engine/client.py serialises them). Our own
+prefill + decode loop over a KV cache; no `model.generate` on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConfig
+
+from engine.api import (
+    ContextLengthError,
+    GenerationEvent,
+    GenerationRequest,
+    InvalidRequestError,
+    Usage,
+)
+from engine.checkpoint import resolve_model_path
+from engine.config import EngineConfig
+from engine.model_loader import CacheSizing, OffloadedModel, load_offloaded_model
+from engine.sampling import Sampler, token_logprob
+from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock marks of the last request, for benchmarks."""
+
+    start: float = 0.0
+    first_token: float = 0.0
+    end: float = 0.0
+    tokens: int = 0
+
+
+class Engine:
+    def __init__(self, loaded: OffloadedModel, tokenizer, config: EngineConfig, device: torch.device) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.runtime = loaded.runtime
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = device
+        self.model_name = config.served_model_name or (config.model or loaded.folder.name)
+        self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
+        self.max_model_len = config.max_model_len or _model_max_len(loaded.config)
+        self.eos_ids = _eos_ids(loaded.folder, tokenizer)
+        self.last_times = StepTimes()
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        folder = _model_folder(config)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, folder, device)
+        sizing = CacheSizing(config.expert_cache_experts, config.expert_cache_gb, config.host_cache_gb)
+        loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return cls(loaded, tokenizer, config, device)
+
+    # -- prompts -----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        normalised = [_normalise_message(m, i) for i, m in enumerate(messages)]
+        if not normalised:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template's own checks, e.g. roles that must alternate
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {e}", param="messages"
+            ) from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def validate(self, request: GenerationRequest) -> None:
+        prompt, params = request.prompt_token_ids, request.params
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias names token ids outside the vocabulary: {bad[:5]}", param="logit_bias"
+            )
+        wanted = len(prompt) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(prompt)} in the messages, {wanted - len(prompt)} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+
+    # -- generation --------------------------------------------------------------------
+    def generate(
+        self, request: GenerationRequest, should_abort: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationEvent]:
+        self.validate(request)
+        params, prompt = request.params, request.prompt_token_ids
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt)
+        sampler = Sampler(params, prompt, self.vocab_size, self.device)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringMatcher(params.stop)
+        times = self.last_times = StepTimes(start=time.perf_counter())
+        self.runtime.begin_request(request.request_id)
+        try:
+            with torch.inference_mode():
+                kv = DynamicCache(config=self.loaded.config)
+                input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]
+                while True:
+                    if should_abort():
+                        yield GenerationEvent(
+                            "", finish_reason="abort", usage=Usage(len(prompt), times.tokens)
+                        )
+                        return
+                    logits = self._forward(input_ids, kv)  # [V]
+                    self.runtime.phase = "decode"
+                    token = sampler.sample(logits)
+                    sampler.observe(token)
+                    times.tokens += 1
+                    times.first_token = times.first_token or time.perf_counter()
+                    event = self._step_event(
+                        token, logits, params.top_logprobs, detokenizer, stops, params.ignore_eos
+                    )
+                    if event.finish_reason is None and times.tokens >= max_tokens:
+                        event = GenerationEvent(
+                            event.text + stops.flush(), event.token_ids, event.logprobs, "length"
+                        )
+                    if event.finish_reason is not None:
+                        times.end = time.perf_counter()
+                        yield _with_usage(event, Usage(len(prompt), times.tokens))
+                        return
+                    yield event
+                    input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        finally:
+            self.runtime.end_request(request.request_id)
+
+    def _forward(self, input_ids: torch.Tensor, kv: DynamicCache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def _step_event(self, token, logits, top_logprobs, detokenizer, stops, ignore_eos) -> GenerationEvent:
+        logprobs = ()
+        if top_logprobs is not None:
+            logprobs = (token_logprob(logits[: self.vocab_size], token, top_logprobs, self._token_text),)
+        if token in self.eos_ids and not ignore_eos:
+            return GenerationEvent(stops.flush(), (token,), logprobs, "stop")
+        text, stopped = stops.feed(detokenizer.push(token))
+        return GenerationEvent(text, (token,), logprobs, "stop" if stopped else None)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # -- cache view --------------------------------------------------------------------
+    def cache_counters(self) -> dict[str, int]:
+        counters = self.runtime.stats.totals()
+        counters["eamc_entries"] = _eamc_size(self.runtime.policy)
+        return counters
+
+    def cache_info(self) -> dict:
+        stats = self.runtime.stats
+        totals, per_layer = stats.totals(), stats.per_layer()
+        resident: dict[int, list[int]] = {layer: [] for layer in range(self.runtime.num_layers)}
+        for layer, expert in self.runtime.cache.resident():
+            resident[layer].append(expert)
+        return {
+            "policy": self.runtime.policy.name,
+            "prefetch": self.runtime.prefetcher is not None,
+            "capacity_experts": self.runtime.cache.capacity,
+            "total_experts": self.runtime.num_layers * self.runtime.num_experts,
+            "num_moe_layers": self.runtime.num_layers,
+            "experts_per_layer": self.runtime.num_experts,
+            "top_k": self.runtime.top_k,
+            "bytes_per_expert": self.loaded.host.bytes_per_expert,
+            "host_tier": {
+                "capacity_experts": self.loaded.host.capacity,
+                "disk_reads": self.loaded.host.disk_reads,
+            },
+            **totals,
+            "hit_rate": stats.hit_rate(),
+            "prefetch_accuracy": totals["prefetch_used"] / totals["prefetches"]
+            if totals["prefetches"]
+            else None,
+            "eamc_entries": _eamc_size(self.runtime.policy),
+            "layers": [
+                {
+                    "layer": layer,
+                    "hits": per_layer["hits"][layer],
+                    "misses": per_layer["misses"][layer],
+                    "hit_rate": _rate(per_layer["hits"][layer], per_layer["misses"][layer]),
+                    "resident_experts": resident[layer],
+                }
+                for layer in range(self.runtime.num_layers)
+            ],
+        }
+
+    def close(self) -> None:
+        """Persist what must survive a restart."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, folder: Path, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type != "cuda":
+        return torch.float32  # half-precision matmuls are slow or missing on many CPUs
+    dtype = getattr(AutoConfig.from_pretrained(folder), "dtype", None) or torch.bfloat16
+    return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+
+
+def _model_folder(config: EngineConfig) -> Path:
+    if config.model is None:
+        from engine.demo_model import ensure_demo_model
+
+        return ensure_demo_model()
+    return resolve_model_path(config.model)
+
+
+def _model_max_len(config) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+def _eos_ids(folder: Path, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass  # no generation_config.json
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _normalise_message(message: dict, index: int) -> dict:
+    role, content = message.get("role"), message.get("content")
+    if role not in ("system", "user", "assistant", "developer"):
+        raise InvalidRequestError(
+            f"messages[{index}].role must be system, user or assistant", param=f"messages[{index}].role"
+        )
+    if role == "developer":
+        role = "system"
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise InvalidRequestError(
+                    f"messages[{index}].content: only text parts are supported",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise InvalidRequestError(
+            f"messages[{index}].content must be a string or text parts", param=f"messages[{index}].content"
+        )
+    return {"role": role, "content": content}
+
+
+def _with_usage(event: GenerationEvent, usage: Usage) -> GenerationEvent:
+    return GenerationEvent(event.text, event.token_ids, event.logprobs, event.finish_reason, usage)
+
+
+def _rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _eamc_size(policy) -> int:
+    eamc = getattr(policy, "eamc", None)
+    return len(eamc) if eamc is not None else 0

@@ -1,0 +1,193 @@
+"""Build the offloaded model: a transformers skeleton with dense weights on the device and
+every MoE layer's experts served through the expert cache from the host store.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from cache.expert_cache import ExpertCache, SlotBackend
+from cache.host_store import ExpertShape, HostStore
+from cache.policy import make_policy
+from cache.runtime import ExpertRuntime
+from cache.safetensors_index import CheckpointError, TensorLocation
+from cache.stats import CacheStats
+from engine.checkpoint import expert_segments, read_config_dict, split_checkpoint
+from engine.offloaded_experts import OffloadedExperts
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+CUDA_HEADROOM_BYTES = 2 * GIB  # left free for the KV cache and activations when sizing the cache
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    device_experts: int | None = None
+    device_gb: float | None = None
+    host_gb: float | None = None
+
+
+@dataclass
+class OffloadedModel:
+    model: nn.Module
+    config: PretrainedConfig
+    runtime: ExpertRuntime
+    host: HostStore
+    folder: Path
+    moe_layers: list[int]  # decoder layer index of each MoE layer
+    shape: ExpertShape
+    num_experts: int
+    top_k: int
+
+
+def load_offloaded_model(
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    sizing: CacheSizing = CacheSizing(),
+    policy: str = "lru",
+) -> OffloadedModel:
+    read_config_dict(folder)  # refuses unsupported architectures with a clear message
+    config = AutoConfig.from_pretrained(folder)
+    dense, expert_tensors = split_checkpoint(folder)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+
+    layers = model.model.layers
+    moe_layers = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+    if not moe_layers:
+        raise CheckpointError("the model has no MoE layers")
+    first = layers[moe_layers[0]].mlp
+    num_experts, two_i, hidden = first.experts.gate_up_proj.shape  # [E, 2I, H]
+    shape = ExpertShape(hidden=hidden, intermediate=two_i // 2)
+    top_k = first.gate.top_k
+
+    host = _build_host_store(folder, expert_tensors, moe_layers, num_experts, shape, dtype, device, sizing)
+    capacity = _device_capacity(sizing, host, device, len(moe_layers) * num_experts)
+    stats = CacheStats(len(moe_layers))
+    cache = ExpertCache(
+        capacity,
+        make_policy(policy, len(moe_layers), num_experts),
+        stats,
+        SlotBackend(host, capacity, device),
+    )
+    runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
+    for moe_index, layer_index in enumerate(moe_layers):
+        mlp = layers[layer_index].mlp
+        mlp.experts = OffloadedExperts(moe_index, shape, mlp.experts.act_fn, runtime)
+
+    _load_dense(model, dense, device, dtype)
+    model.to(device)  # the buffers (rotary tables) built on the host at init
+    log.info(
+        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; device cache %d experts, RAM tier %d",
+        config.model_type,
+        len(moe_layers),
+        num_experts,
+        top_k,
+        host.bytes_per_expert / 2**20,
+        capacity,
+        host.capacity,
+    )
+    return OffloadedModel(model, config, runtime, host, folder, moe_layers, shape, num_experts, top_k)
+
+
+def _build_host_store(
+    folder: Path,
+    expert_tensors: dict,
+    moe_layers: list[int],
+    num_experts: int,
+    shape: ExpertShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    sizing: CacheSizing,
+) -> HostStore:
+    sources = {}
+    for moe_index, layer_index in enumerate(moe_layers):
+        if layer_index not in expert_tensors:
+            raise CheckpointError(f"{folder} has no expert weights for decoder layer {layer_index}")
+        sources.update(expert_segments(expert_tensors[layer_index], moe_index, num_experts))
+    bytes_per_expert = shape.numel * dtype.itemsize
+    host_capacity = None if sizing.host_gb is None else max(1, int(sizing.host_gb * GIB // bytes_per_expert))
+    host = HostStore(sources, shape, dtype, host_capacity, pin_memory=device.type == "cuda")
+    host.preload()
+    return host
+
+
+def _device_capacity(sizing: CacheSizing, host: HostStore, device: torch.device, total: int) -> int:
+    if sizing.device_experts is not None:
+        wanted = sizing.device_experts
+    elif sizing.device_gb is not None:
+        wanted = int(sizing.device_gb * GIB // host.bytes_per_expert)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        wanted = int(max(0, free - CUDA_HEADROOM_BYTES) // host.bytes_per_expert)
+    else:
+        wanted = math.ceil(total / 4)
+    if wanted < 1:
+        raise ValueError(
+            f"the device expert cache must hold at least one expert ({host.bytes_per_expert / GIB:.3f} GiB)"
+        )
+    return min(wanted, total)
+
+
+def _keeps_fp32(model: nn.Module, name: str) -> bool:
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    return any(re.search(rf"(^|\.){re.escape(p)}($|\.)", name) for p in patterns)
+
+
+def _load_dense(
+    model: nn.Module, dense: dict[str, TensorLocation], device: torch.device, dtype: torch.dtype
+) -> None:
+    missing = []
+    for name, param in list(model.named_parameters()):
+        loc = dense.pop(name, None)
+        if loc is None:
+            missing.append(name)
+            continue
+        _check_shape(name, loc, tuple(param.shape))
+        target = torch.float32 if _keeps_fp32(model, name) else dtype
+        _set_tensor(
+            model, name, nn.Parameter(loc.read().to(device=device, dtype=target), requires_grad=False)
+        )
+    for name, buffer in list(model.named_buffers()):
+        loc = dense.pop(name, None)
+        if loc is not None:
+            _check_shape(name, loc, tuple(buffer.shape))
+            _set_tensor(model, name, loc.read().to(device=device, dtype=buffer.dtype))
+    if getattr(model.config, "tie_word_embeddings", False):
+        missing = [name for name in missing if name != "lm_head.weight"]
+        if model.lm_head.weight.is_meta:
+            model.lm_head.weight = model.get_input_embeddings().weight
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+    if dense:
+        log.info(
+            "ignoring %d checkpoint tensors the model does not use, e.g. %s", len(dense), next(iter(dense))
+        )
+
+
+def _check_shape(name: str, loc: TensorLocation, expected: tuple[int, ...]) -> None:
+    if loc.shape != expected:
+        raise CheckpointError(
+            f"{name} has shape {list(loc.shape)} in the checkpoint, the config implies {list(expected)}"
+        )
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if isinstance(value, nn.Parameter):
+        owner._parameters[attr] = value
+    else:
+        owner._buffers[attr] = value

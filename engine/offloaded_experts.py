@@ -1,0 +1,65 @@
+"""The drop-in replacement for a MoE layer's `mlp.experts` module.
+
+Same call as transformers 5's fused experts: `experts(hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k]) -> [T, H]`, computed exactly as their eager path does, but each
+expert's weights come from a device cache slot instead of a resident parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache.host_store import ExpertShape
+from cache.runtime import ExpertRuntime
+
+
+class OffloadedExperts(nn.Module):
+    def __init__(
+        self,
+        moe_layer: int,
+        shape: ExpertShape,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        runtime: ExpertRuntime,
+    ) -> None:
+        super().__init__()
+        self.moe_layer = moe_layer
+        self.shape = shape
+        self.act_fn = act_fn
+        self.runtime = runtime
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        needed = self.runtime.on_routing(self.moe_layer, top_k_index, hidden)
+        out = torch.zeros_like(hidden)  # [T, H]
+        cache = self.runtime.cache
+        for turn in self.runtime.chunks(needed):  # several turns only when the cache is tiny
+            slots = cache.acquire(self.moe_layer, turn)
+            try:
+                for expert, flat in zip(turn, slots):
+                    cache.wait(self.moe_layer, expert)
+                    self._add_expert(out, flat, expert, hidden, top_k_index, top_k_weights)
+            finally:
+                cache.release(self.moe_layer, turn)
+        return out
+
+    def _add_expert(
+        self,
+        out: torch.Tensor,
+        flat: torch.Tensor,
+        expert: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> None:
+        h, i = self.shape.hidden, self.shape.intermediate
+        gate_up = flat[: 2 * i * h].view(2 * i, h)  # [2I, H]
+        down = flat[2 * i * h :].view(h, i)  # [H, I]
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
+        y = F.linear(self.act_fn(gate) * up, down) * top_k_weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))

@@ -1,0 +1,93 @@
+"""Turning one step's logits into the next token.
+
+Order: logit bias → repetition penalty (prompt and output, multiplicative, as in
+transformers) → presence/frequency penalties (output only, as OpenAI defines them) →
+greedy argmax, or temperature → top-k → top-p → min-p → a draw from a seeded generator.
+Logprobs are reported from the model's own distribution (before any of this).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.api import SamplingParams, TokenLogprob, TopLogprob
+
+
+class Sampler:
+    def __init__(
+        self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device
+    ) -> None:
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = device
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [V]
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] prompt or output
+        self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.bias = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            self.bias[ids] = torch.tensor(
+                list(params.logit_bias.values()), dtype=torch.float32, device=device
+            )
+
+    def observe(self, token_id: int) -> None:
+        self.output_counts[token_id] += 1
+        self.seen[token_id] = True
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """`logits` [V] of the last position → the chosen token id."""
+        scores = self._processed(logits[: self.vocab_size].float())
+        if self.params.greedy:
+            return int(torch.argmax(scores))
+        scores = scores / self.params.temperature
+        scores = self._filter(scores)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _processed(self, scores: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if self.bias is not None:
+            scores = scores + self.bias
+        if p.repetition_penalty != 1.0:
+            penalised = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            scores = torch.where(self.seen, penalised, scores)
+        if p.frequency_penalty or p.presence_penalty:
+            scores = scores - p.frequency_penalty * self.output_counts
+            scores = scores - p.presence_penalty * (self.output_counts > 0).float()
+        return scores
+
+    def _filter(self, scores: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.top_k > 0 and p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+            drop_sorted = (
+                cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
+            )  # keeps the first token
+            scores = scores.masked_fill(
+                torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf")
+            )
+        if p.min_p > 0.0:
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        return scores
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, top: int, decode) -> TokenLogprob:
+    """The chosen token's logprob and the `top` most likely alternatives, from raw logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    alternatives = ()
+    if top > 0:
+        values, ids = torch.topk(logprobs, top)
+        alternatives = tuple(
+            TopLogprob(int(i), decode(int(i)), float(v)) for v, i in zip(values.tolist(), ids.tolist())
+        )
+    return TokenLogprob(token_id, decode(token_id), float(logprobs[token_id]), alternatives)

@@ -1,0 +1,74 @@
+"""From generated token ids to streamed text: incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class IncrementalDetokenizer:
+    """Emits text only once it is stable.
+
+    Decoding token by token breaks multi-byte characters split over tokens and the
+    tokenizer's handling of leading spaces, so each step decodes a short window
+    (`prefix` .. end) and emits what it adds beyond the window's already-emitted part.
+    A window that ends in U+FFFD (an unfinished UTF-8 sequence) is held until complete.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the decode window
+        self.read = 0  # tokens up to here have been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        emitted = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
+        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(emitted) :]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
+class StopStringMatcher:
+    """Cuts the text at the first stop string, which may span several tokens.
+
+    Text that could still be the start of a stop string is held back, so a stop string
+    is never emitted, not even in part.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """→ (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = self._longest_partial_stop()
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+    def _longest_partial_stop(self) -> int:
+        """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
