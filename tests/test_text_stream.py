@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop strings, with the real Mixtral SentencePiece tokenizer."""
+
+import pytest
+
+from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
+from tests.fixtures.tokenizers import TOKENIZER_KINDS, build_tokenizer
+
+TEXT = "Grüße aus 東京 🙂 🦩, naïve café — ça va?\n  indented   spaces"
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_streamed_pieces_add_up_to_the_full_decode(kind):
+    tokenizer = build_tokenizer(kind)
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(t) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces).strip() == TEXT.strip()
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_a_character_split_over_byte_tokens_arrives_whole():
+    tokenizer = build_tokenizer("mixtral")
+    ids = tokenizer("🦩", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 3  # SentencePiece byte fallback: one token per UTF-8 byte
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(t) for t in ids]
+    assert "".join(pieces).strip() == "🦩"
+    assert [p for p in pieces if p.strip()] == [pieces[-1]]  # nothing before the last byte
+
+
+def test_stop_string_spanning_pieces_is_cut_and_never_emitted():
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("foo E") == ("foo ", False)
+    assert matcher.feed("N") == ("", False)
+    assert matcher.feed("D and more") == ("", True)
+
+
+def test_held_back_text_is_released_when_it_stops_matching():
+    matcher = StopStringMatcher(["</s>", "STOP"])
+    assert matcher.feed("a </") == ("a ", False)
+    assert matcher.feed("b") == ("</b", False)
+    assert matcher.feed("ST") == ("", False)
+    assert matcher.flush() == "ST"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    matcher = StopStringMatcher(["world", "lo w"])
+    assert matcher.feed("hello world") == ("hel", True)
+
+
+def test_without_stop_strings_everything_passes_through():
+    matcher = StopStringMatcher([])
+    assert matcher.feed("abc") == ("abc", False)
