@@ -149,7 +149,7 @@ class Engine:
             self.runtime.end_request(request.request_id)
 
     def _forward(self, input_ids: torch.Tensor, kv: DynamicCache) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]
 
     def _step_event(self, token, logits, top_logprobs, detokenizer, stops, ignore_eos) -> GenerationEvent:
