@@ -26,10 +26,14 @@ def greedy(engine: Engine, prompt_ids: list[int]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-@pytest.fixture(scope="module", params=[(f, lay) for f in FAMILIES for lay in LAYOUTS], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(f, lay) for f in FAMILIES for lay in LAYOUTS], ids=lambda p: f"{p[0]}-{p[1]}"
+)
 def checkpoint(request, tmp_path_factory):
     family, layout = request.param
-    folder = build_checkpoint(family, tmp_path_factory.mktemp(f"{family}-{layout}"), layout=layout, num_layers=NUM_LAYERS)
+    folder = build_checkpoint(
+        family, tmp_path_factory.mktemp(f"{family}-{layout}"), layout=layout, num_layers=NUM_LAYERS
+    )
     return family, folder
 
 

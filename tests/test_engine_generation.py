@@ -1,0 +1,121 @@
+"""Generation features through the engine: chat templates, stop strings, seeds, max_tokens,
+EOS, logprobs, abort, and a RAM tier smaller than the experts."""
+
+import pytest
+
+from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.fixtures.models import build_checkpoint
+
+PROMPT = "Once upon a time in a small village"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral"), num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", expert_cache_experts=4))
+
+
+def run(engine, prompt_ids, **params):
+    events = list(engine.generate(GenerationRequest("t", prompt_ids, SamplingParams(**params))))
+    return "".join(e.text for e in events), events
+
+
+def test_chat_template_accepts_text_parts_like_a_plain_string(engine):
+    plain = engine.apply_chat_template([{"role": "user", "content": "Hello there"}])
+    parts = engine.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    )
+    assert plain == parts
+    assert engine.tokenizer.decode(plain).startswith("<s>")  # Mixtral's template adds BOS once
+    assert "[INST]" in engine.tokenizer.decode(plain) and "Hello there" in engine.tokenizer.decode(plain)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "wizard", "content": "hi"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+    ],
+)
+def test_bad_messages_are_refused(engine, messages):
+    with pytest.raises(InvalidRequestError):
+        engine.apply_chat_template(messages)
+
+
+def test_stop_string_spanning_tokens_ends_generation_before_it(engine):
+    prompt = engine.encode(PROMPT)
+    full, events = run(engine, prompt, temperature=0, max_tokens=24, ignore_eos=True)
+    pieces = [e.text for e in events if e.text]
+    assert len(pieces) > 4
+    # a stop string that starts inside one piece and ends inside a later one
+    start = len(pieces[0]) + len(pieces[1]) - 1
+    stop = full[start : start + len(pieces[2]) + 2]
+    assert full.count(stop) >= 1
+    text, events = run(engine, prompt, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    assert text == full[: full.index(stop)]
+    assert events[-1].finish_reason == "stop"
+    assert stop not in "".join(e.text for e in events)
+
+
+def test_same_seed_same_text_and_different_seeds_differ(engine):
+    prompt = engine.encode(PROMPT)
+    sample = lambda seed: run(engine, prompt, temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)[0]  # noqa: E731
+    assert sample(11) == sample(11)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_max_tokens_gives_length_with_usage(engine):
+    prompt = engine.encode(PROMPT)
+    _, events = run(engine, prompt, temperature=0, max_tokens=5, ignore_eos=True)
+    assert sum(len(e.token_ids) for e in events) == 5
+    assert events[-1].finish_reason == "length"
+    assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (len(prompt), 5)
+
+
+def test_eos_ends_with_stop_and_is_not_emitted(engine):
+    prompt = engine.encode(PROMPT)
+    eos = min(engine.eos_ids)
+    text, events = run(engine, prompt, temperature=0, max_tokens=10, logit_bias={eos: 100})
+    assert events[-1].finish_reason == "stop" and events[-1].token_ids == (eos,)
+    assert text == ""
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_alternative(engine):
+    prompt = engine.encode(PROMPT)
+    _, events = run(engine, prompt, temperature=0, max_tokens=4, ignore_eos=True, top_logprobs=3)
+    for event in events:
+        (lp,) = event.logprobs
+        assert lp.token_id == event.token_ids[0] and len(lp.top) == 3
+        assert lp.top[0].token_id == lp.token_id and lp.logprob <= 0
+
+
+def test_abort_stops_within_one_step(engine):
+    prompt = engine.encode(PROMPT)
+    steps = []
+    request = GenerationRequest("a", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    events = list(engine.generate(request, should_abort=lambda: len(steps.append(1) or steps) > 3))
+    assert events[-1].finish_reason == "abort"
+    assert sum(len(e.token_ids) for e in events) == 3
+
+
+def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_tokens(folder, engine):
+    small = Engine.load(
+        EngineConfig(
+            model=str(folder), device="cpu", policy="lru", expert_cache_experts=2, host_cache_gb=3 * 1e-6
+        )
+    )
+    assert small.loaded.host.capacity < 16
+    prompt = engine.encode(PROMPT)
+    reads_before = small.loaded.host.disk_reads
+    tokens = lambda e: [
+        t for ev in run(e, prompt, temperature=0, max_tokens=8, ignore_eos=True)[1] for t in ev.token_ids
+    ]  # noqa: E731
+    assert tokens(small) == tokens(engine)
+    assert small.loaded.host.disk_reads > reads_before
