@@ -1,0 +1,146 @@
+"""Engine benchmarks (issue 2), run side by side in one process so ratios are comparable.
+
+    python -m bench.engine_bench tpot [--device cpu] [--tokens 64] [--rounds 3]
+    python -m bench.engine_bench rss  [--host-cache-gb 0.25]
+
+`tpot`: time per output token of our engine vs transformers `generate` on the same model
+with all experts resident, then our engine with a cache of 25% of the experts (TPOT,
+hits/misses and bytes moved per token). `rss`: peak RSS of a process that loads a
+checkpoint bigger than `--host-cache-gb` and generates, vs one that keeps all experts in RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.fixtures.tokenizers import write_tokenizer
+
+PROMPT = "Explain, step by step, how a mixture-of-experts language model chooses its experts."
+
+
+def build_model(folder: Path, hidden: int, intermediate: int, layers: int, experts: int, dtype: torch.dtype) -> Path:
+    tokenizer = write_tokenizer("mixtral", folder)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, num_local_experts=experts, num_experts_per_tok=2,
+        max_position_embeddings=2048, initializer_range=0.1, dtype=dtype,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).to(dtype).save_pretrained(folder)
+    return folder
+
+
+def engine_tpot(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(time to first token, time per output token after it) in seconds."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for _ in engine.generate(GenerationRequest("bench", prompt, params)):
+        pass
+    t = engine.last_times
+    return t.first_token - t.start, (t.end - t.first_token) / (t.tokens - 1)
+
+
+def transformers_tpot(model, prompt: list[int], tokens: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kwargs)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, **kwargs)
+        total = time.perf_counter() - start
+    return ttft, (total - ttft) / (tokens - 1)
+
+
+def run_tpot(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
+        total = 8 * 8
+        ours_all = Engine.load(EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total))
+        ours_quarter = Engine.load(
+            EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total // 4)
+        )
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+        prompt = ours_all.encode(PROMPT)
+        engine_tpot(ours_all, prompt, 4)  # warm-up
+        transformers_tpot(reference, prompt, 4)
+        samples: dict[str, list[tuple[float, float]]] = {"ours_all": [], "transformers": [], "ours_25pct": []}
+        for _ in range(args.rounds):  # interleaved, so machine noise hits all alike
+            samples["ours_all"].append(engine_tpot(ours_all, prompt, args.tokens))
+            samples["transformers"].append(transformers_tpot(reference, prompt, args.tokens))
+            before = ours_quarter.cache_counters()
+            samples["ours_25pct"].append(engine_tpot(ours_quarter, prompt, args.tokens))
+        after = ours_quarter.cache_counters()
+        per_run = {k: (after[k] - before[k]) for k in ("hits", "misses", "bytes_transferred")}
+    result = {name: _median_ms(values) for name, values in samples.items()}
+    result["tpot_ratio_ours_over_transformers"] = result["ours_all"]["tpot_ms"] / result["transformers"]["tpot_ms"]
+    result["ours_25pct_cache"] = {
+        "hit_rate": per_run["hits"] / (per_run["hits"] + per_run["misses"]),
+        "misses_per_token": per_run["misses"] / args.tokens,
+        "bytes_per_token": per_run["bytes_transferred"] / args.tokens,
+    }
+    result["setup"] = {"model": "Mixtral-shaped, H=256, I=512, 8 layers x 8 experts top-2, fp32", "device": args.device,
+                       "prompt_tokens": len(prompt), "new_tokens": args.tokens, "rounds": args.rounds}  # fmt: skip
+    return result
+
+
+def _median_ms(values: list[tuple[float, float]]) -> dict:
+    return {
+        "ttft_ms": 1000 * statistics.median(v[0] for v in values),
+        "tpot_ms": 1000 * statistics.median(v[1] for v in values),
+    }
+
+
+def rss_child(folder: str, host_cache_gb: float | None) -> None:
+    """Runs in a fresh process: load, generate, print peak RSS."""
+    engine = Engine.load(
+        EngineConfig(model=folder, device="cpu", policy="lru", expert_cache_experts=4, host_cache_gb=host_cache_gb)
+    )
+    list(engine.generate(GenerationRequest("rss", engine.encode(PROMPT), SamplingParams(max_tokens=8, temperature=0))))
+    host = engine.loaded.host
+    print(json.dumps({
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "ram_tier_experts": host.capacity, "ram_tier_mib": host.capacity * host.bytes_per_expert / 2**20,
+        "all_experts_mib": len(host.sources) * host.bytes_per_expert / 2**20, "disk_reads": host.disk_reads,
+    }))  # fmt: skip
+
+
+def run_rss(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(Path(tmp), 1024, 2816, 8, 8, torch.bfloat16)  # 64 experts x 17 MB bf16 on disk
+        result = {"checkpoint_mib": sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors")) / 2**20}
+        for label, budget in (("all_in_ram", None), (f"host_cache_gb={args.host_cache_gb}", args.host_cache_gb)):
+            code = f"from bench.engine_bench import rss_child; rss_child({str(folder)!r}, {budget!r})"
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            result[label] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["tpot", "rss"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--host-cache-gb", type=float, default=0.25)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(json.dumps(run_tpot(args) if args.what == "tpot" else run_rss(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
