@@ -26,7 +26,7 @@ class ExpertRuntime:
         self.top_k = top_k
         self.phase: Phase = "prefill"
         self.recorder = None  # cache.trace.TraceWriter when --record-trace is set
-        self.prefetcher = None  # has after_routing(layer, hidden) when prefetch is on
+        self.prefetcher = None  # cache.prefetcher.Prefetcher when prefetch is on
 
     @property
     def policy(self) -> Policy:
@@ -55,7 +55,7 @@ class ExpertRuntime:
         if self.recorder is not None:
             self.recorder.record(self.phase, layer, index_rows)
         if self.prefetcher is not None:
-            self.prefetcher.after_routing(layer, hidden)
+            self.prefetcher.after_routing(layer, hidden, needed, self.phase)
         return needed
 
     def chunks(self, experts: Sequence[int]) -> list[Sequence[int]]:
