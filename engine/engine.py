@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConfig
 
+from cache.prefetcher import Prefetcher
+from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
     GenerationEvent,
@@ -63,7 +65,20 @@ class Engine:
         sizing = CacheSizing(config.expert_cache_experts, config.expert_cache_gb, config.host_cache_gb)
         loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        return cls(loaded, tokenizer, config, device)
+        engine = cls(loaded, tokenizer, config, device)
+        engine._attach_cache_features()
+        return engine
+
+    def _attach_cache_features(self) -> None:
+        runtime, config = self.runtime, self.config
+        if config.prefetch:
+            routers = [_top_k_of(self.model.model.layers[i].mlp.gate) for i in self.loaded.moe_layers]
+            background = self.device.type != "cuda"  # CUDA copies are already async on a side stream
+            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit=2 * runtime.top_k)
+        if config.record_trace:
+            runtime.recorder = TraceWriter(
+                config.record_trace, self.model_name, runtime.num_layers, runtime.num_experts, runtime.top_k
+            )
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -208,7 +223,11 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Persist what must survive a restart."""
+        """Persist what must survive a restart; stop background work."""
+        if self.runtime.prefetcher is not None:
+            self.runtime.prefetcher.close()
+        if self.runtime.recorder is not None:
+            self.runtime.recorder.close()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -235,6 +254,11 @@ def _model_folder(config: EngineConfig) -> Path:
 
         return ensure_demo_model()
     return resolve_model_path(config.model)
+
+
+def _top_k_of(gate):
+    """A MoE layer's router as a function hidden [T, H] → top-k expert ids [T, k]."""
+    return lambda hidden: gate(hidden)[2]
 
 
 def _model_max_len(config) -> int:

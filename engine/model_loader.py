@@ -15,6 +15,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
 from cache.expert_cache import ExpertCache, SlotBackend
 from cache.host_store import ExpertShape, HostStore
 from cache.policy import make_policy

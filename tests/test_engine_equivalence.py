@@ -55,3 +55,23 @@ def test_greedy_tokens_equal_transformers_at_every_cache_size(checkpoint):
             assert totals["evictions"] > 0 and totals["misses"] > total, f"cache of {slots} experts"
         if slots == total:
             assert totals["evictions"] == 0 and totals["misses"] <= total
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_policy_and_prefetch_change_speed_never_tokens(family, tmp_path):
+    folder = build_checkpoint(family, tmp_path, num_layers=4)
+    prompts = ["Hello there, how are", "The capital of France is", "def fib(n):", "Once upon a time"]
+    outputs = {}
+    for policy in ("lru", "lfu", "sparsity-aware"):
+        for prefetch in (False, True):
+            engine = Engine.load(
+                EngineConfig(model=str(folder), device="cpu", policy=policy, prefetch=prefetch, expert_cache_experts=6)
+            )
+            outputs[policy, prefetch] = [greedy(engine, engine.encode(p)) for p in prompts]
+            counters = engine.cache_counters()
+            engine.close()
+            if policy == "sparsity-aware":
+                assert counters["eamc_entries"] == len(prompts)
+                assert (counters["prefetches"] > 0) == prefetch
+    reference = outputs["lru", False]
+    assert all(tokens == reference for tokens in outputs.values())

@@ -66,7 +66,10 @@ def test_stop_string_spanning_tokens_ends_generation_before_it(engine):
 
 def test_same_seed_same_text_and_different_seeds_differ(engine):
     prompt = engine.encode(PROMPT)
-    sample = lambda seed: run(engine, prompt, temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)[0]  # noqa: E731
+
+    def sample(seed):
+        return run(engine, prompt, temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)[0]
+
     assert sample(11) == sample(11)
     assert len({sample(s) for s in range(4)}) > 1
 
@@ -114,8 +117,11 @@ def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_to
     assert small.loaded.host.capacity < 16
     prompt = engine.encode(PROMPT)
     reads_before = small.loaded.host.disk_reads
-    tokens = lambda e: [
-        t for ev in run(e, prompt, temperature=0, max_tokens=8, ignore_eos=True)[1] for t in ev.token_ids
-    ]  # noqa: E731
+
+    def tokens(e):
+        return [
+            t for ev in run(e, prompt, temperature=0, max_tokens=8, ignore_eos=True)[1] for t in ev.token_ids
+        ]
+
     assert tokens(small) == tokens(engine)
     assert small.loaded.host.disk_reads > reads_before
