@@ -88,19 +88,28 @@ class EngineClient:
                     raise item
                 yield item
         finally:
-            if not finished:
-                job.aborted.set()
+            if not finished:  # the caller left early: a client disconnect
+                self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a running request within one step; a queued one never starts. Frees its queue slot."""
         with self._lock:
-            job = self._active.get(request_id)
+            job = self._active.pop(request_id, None)
         if job is not None:
             job.aborted.set()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Abort everything, stop the worker, then let the engine persist its state."""
+        with self._lock:
+            jobs = list(self._active.values())
+            self._active.clear()
+        for job in jobs:
+            job.aborted.set()
         self._jobs.put(None)
-        self._worker.join(timeout=10)
-        if self.engine is not None:
+        self._worker.join(timeout)
+        if self._worker.is_alive():
+            log.warning("the engine worker did not stop within %.0f s; not persisting its state", timeout)
+        elif self.engine is not None:
             self.engine.close()
 
     # -- worker ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ prefill + decode loop over a KV cache; no `model.generate` on the hot path.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from engine.api import (
 )
 from engine.checkpoint import resolve_model_path
 from engine.config import EngineConfig
+from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.model_loader import CacheSizing, OffloadedModel, load_offloaded_model
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
@@ -51,11 +53,14 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = device
-        self.model_name = config.served_model_name or (config.model or loaded.folder.name)
+        self.model_name = config.served_model_name or config.model or DEMO_MODEL_NAME
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or _model_max_len(loaded.config)
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
         self.last_times = StepTimes()
+        self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
+        self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
+        self._anchor_text = tokenizer.decode(self._anchor)
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -82,7 +87,12 @@ class Engine:
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        with self._tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -127,7 +137,7 @@ class Engine:
         params, prompt = request.params, request.prompt_token_ids
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
         sampler = Sampler(params, prompt, self.vocab_size, self.device)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        detokenizer = IncrementalDetokenizer(self.decode)
         stops = StopStringMatcher(params.stop)
         times = self.last_times = StepTimes(start=time.perf_counter())
         self.runtime.begin_request(request.request_id)
@@ -177,7 +187,9 @@ class Engine:
         return GenerationEvent(text, (token,), logprobs, "stop" if stopped else None)
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The text a token adds after other text (decoding it alone drops a leading space)."""
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(self._anchor + [token_id])[len(self._anchor_text) :]
 
     # -- cache view --------------------------------------------------------------------
     def cache_counters(self) -> dict[str, int]:
@@ -250,8 +262,6 @@ def resolve_dtype(name: str, folder: Path, device: torch.device) -> torch.dtype:
 
 def _model_folder(config: EngineConfig) -> Path:
     if config.model is None:
-        from engine.demo_model import ensure_demo_model
-
         return ensure_demo_model()
     return resolve_model_path(config.model)
 

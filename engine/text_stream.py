@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class IncrementalDetokenizer:
@@ -14,8 +14,8 @@ class IncrementalDetokenizer:
     A window that ends in U+FFFD (an unfinished UTF-8 sequence) is held until complete.
     """
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode  # ids → text, special tokens skipped
         self.ids: list[int] = []
         self.prefix = 0  # start of the decode window
         self.read = 0  # tokens up to here have been emitted
@@ -29,8 +29,8 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(emitted) :]
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+    def _decode(self, ids: list[int]) -> str:
+        return self.decode(ids) if ids else ""
 
 
 class StopStringMatcher:

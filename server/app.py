@@ -1,0 +1,117 @@
+"""The FastAPI application: engine client lifecycle, guards (Host, API key), errors, routes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.config import EngineConfig
+from server.config import ServerConfig, is_loopback_host
+from server.errors import APIError, install_error_handlers
+from server.metrics import ServerMetrics, status_of
+from server.serving import Serving
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+OPEN_PATHS = ("/health",)  # answered without an API key
+
+try:
+    VERSION = version("moe-serve")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    VERSION = "dev"
+SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"
+
+
+class GuardMiddleware:
+    """Refuses foreign Host headers while bound to loopback (DNS rebinding) and checks the API key."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, local_only: bool) -> None:
+        self.app, self.api_key, self.local_only = app, api_key, local_only
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self.check(scope)
+            if error is not None:
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def check(self, scope: Scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if self.local_only and host is not None and not is_loopback_host(_host_name(host)):
+            return APIError(403, f"Host {host!r} is not allowed: the server is bound to loopback and answers "
+                            "only local names (DNS rebinding protection)", "permission_error",
+                            code="host_not_allowed")
+        if self.api_key is None or scope["path"] in OPEN_PATHS:
+            return None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return APIError(401, "Missing API key: send `Authorization: Bearer <key>`.", "invalid_request_error",
+                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return APIError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+
+def _host_name(host: str) -> str:
+    """`[::1]:8000` -> `::1`, `localhost:8000` -> `localhost`."""
+    if host.startswith("["):
+        return host[1: host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _load_engine(config: EngineConfig):
+    from engine.engine import Engine  # torch and transformers load here, not at `--help`
+
+    return Engine.load(config)
+
+
+def create_app(
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    load_engine: Callable[[], object] | None = None,
+) -> FastAPI:
+    from engine.client import EngineClient
+    from server.routes import router
+
+    load = load_engine or (lambda: _load_engine(engine_config))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = EngineClient(load, max_queue=server_config.max_queue)
+        app.state.client = client
+        app.state.serving = Serving(client, metrics)
+        yield
+        log.info("shutting down the engine (saving its state)")
+        await asyncio.to_thread(client.shutdown)
+        log.info("engine shut down")
+
+    app = FastAPI(title="moe-serve", version=VERSION, lifespan=lifespan)
+    app.state.fingerprint = SYSTEM_FINGERPRINT
+    app.state.started = int(time.time())
+    metrics = ServerMetrics(
+        queue_depth=lambda: app.state.client.queue_depth,
+        cache_counters=lambda: app.state.client.engine.cache_counters() if app.state.client.ready else None,
+    )
+    app.state.metrics = metrics
+    install_error_handlers(app, on_error=lambda request, error: _count_error(metrics, request, error))
+    app.include_router(router)
+    app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback)
+    return app
+
+
+def _count_error(metrics: ServerMetrics, request, error: APIError) -> None:
+    """Generation requests answered with an error (400 validation, 503 queue full, ...) count too."""
+    if request.url.path in GENERATION_PATHS:
+        metrics.requests.labels(status_of(error.status)).inc()

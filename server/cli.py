@@ -1,0 +1,55 @@
+"""`moe-serve` / `python -m server`: parse the configuration, build the app, run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from server.config import ConfigError, ServerConfig, build_parser, load_config
+
+log = logging.getLogger("moe_serve")
+
+GRACEFUL_SHUTDOWN_S = 10  # then in-flight requests are cancelled (and so aborted)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        server_config, engine_config = load_config(argv)
+    except ConfigError as e:
+        build_parser().error(str(e))  # exits 2 with the usage line
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    warn_if_exposed(server_config)
+
+    import uvicorn  # after parsing, so that `--help` and bad flags answer at once
+
+    from server.app import create_app
+
+    app = create_app(server_config, engine_config)
+    log.info("serving %s on http://%s:%d/v1", engine_config.model or "the built-in demo model",
+             _url_host(server_config.host), server_config.port)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="info",
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
+def warn_if_exposed(config: ServerConfig) -> None:
+    if config.is_loopback or config.api_key is not None:
+        return
+    bar = "!" * 78
+    for line in (
+        bar,
+        f"moe-serve is binding {config.host}:{config.port}, which other machines can reach,",
+        "and no API key is set: ANYONE on the network can use this server and its GPU.",
+        "Set --api-key KEY (or MOE_SERVE_API_KEY), or bind --host 127.0.0.1.",
+        bar,
+    ):
+        log.warning(line)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Configuration: one table of flags drives argparse, `MOE_SERVE_*` variables and YAML.
+
+Precedence: command-line flag > environment variable > YAML file (`--config`) > the
+dataclass default. Every flag `--some-name` is the field `some_name` of `ServerConfig` or
+`EngineConfig`, the variable `MOE_SERVE_SOME_NAME` and the YAML key `some_name`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import DTYPES, POLICY_NAMES, EngineConfig
+
+ENV_PREFIX = "MOE_SERVE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+class ConfigError(ValueError):
+    """A value that cannot be used; the message names where it came from."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_queue: int = 64  # requests waiting or running; beyond it, 503
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        if self.max_queue < 1:
+            raise ValueError(f"max-queue must be at least 1, not {self.max_queue}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api-key must not be blank")
+
+    @property
+    def is_loopback(self) -> bool:
+        return is_loopback_host(self.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    name = host.strip("[]").lower()
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, not {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # "--expert-cache-gb"
+    target: type  # ServerConfig or EngineConfig
+    kind: Callable[[str], Any]  # int | float | str | parse_bool
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    default_text: str | None = None  # the default in words, where the field's default is None
+
+    @property
+    def field(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.field.upper()
+
+    @property
+    def default(self) -> Any:
+        return next(f.default for f in fields(self.target) if f.name == self.field)
+
+    def parse(self, text: str) -> Any:
+        value = self.kind(text)
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"expected one of {', '.join(self.choices)}, not {text!r}")
+        return value
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--model", EngineConfig, str, "local Hugging Face folder or hub id", "PATH|ID",
+         default_text="the built-in demo model, built locally on first use"),
+    Flag("--served-model-name", EngineConfig, str, "the model id clients send and /v1/models lists", "NAME",
+         default_text="the --model value, or the demo model's name"),
+    Flag("--host", ServerConfig, str, "address to bind; anything but loopback exposes the server to "
+         "the network (set --api-key)", "ADDR"),
+    Flag("--port", ServerConfig, int, "TCP port to listen on", "PORT"),
+    Flag("--device", EngineConfig, str, "auto, cpu, cuda or cuda:N", "DEVICE"),
+    Flag("--dtype", EngineConfig, str, "weight dtype (auto: the checkpoint's on CUDA, float32 on CPU)",
+         choices=DTYPES),
+    Flag("--expert-cache-experts", EngineConfig, int, "device expert cache size in experts, over all layers", "N",
+         default_text="a quarter of all experts"),
+    Flag("--expert-cache-gb", EngineConfig, float, "device expert cache size in GiB (instead of "
+         "--expert-cache-experts)", "GB"),
+    Flag("--host-cache-gb", EngineConfig, float, "host-RAM tier for experts in GiB; experts beyond it "
+         "are read from disk on demand", "GB", default_text="all experts in RAM"),
+    Flag("--policy", EngineConfig, str, "expert cache policy", choices=POLICY_NAMES),
+    Flag("--prefetch", EngineConfig, parse_bool, "prefetch the experts the predictor expects next "
+         "(--no-prefetch: load on demand only)"),
+    Flag("--eamc-path", EngineConfig, str, "file that keeps the learned expert activation matrices "
+         "across restarts", "FILE", default_text="one file per model under the per-user state folder"),
+    Flag("--eamc-capacity", EngineConfig, int, "how many expert activation matrices the EAMC keeps", "N"),
+    Flag("--record-trace", EngineConfig, str, "append every request's expert routing to FILE "
+         "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
+    Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` on every endpoint "
+         "but /health", "KEY", default_text="none: no authentication"),
+    Flag("--max-queue", ServerConfig, int, "requests waiting or running at once; beyond it the "
+         "server answers 503 with Retry-After", "N"),
+    Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens", "N",
+         default_text="the model's max_position_embeddings"),
+)
+FLAGS_BY_FIELD = {flag.field: flag for flag in FLAGS}
+# one size in two units: `--expert-cache-experts 40` overrides a preset's `expert_cache_gb: 18`
+ALTERNATIVES = (("expert_cache_experts", "expert_cache_gb"),)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-serve",
+        description="OpenAI-compatible server for Mixture-of-Experts LLMs with an offloaded, "
+        "sparsity-aware device expert cache.",
+        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}EXPERT_CACHE_GB=4) "
+        "or as a key of the --config YAML file (e.g. expert_cache_gb: 4). "
+        "Precedence: flag > environment > YAML > default.",
+        argument_default=argparse.SUPPRESS,  # only flags actually given reach the namespace
+    )
+    parser.add_argument("--config", metavar="FILE", help=f"YAML file of settings, keys as the flag names "
+                        f"with underscores (see configs/) (env {CONFIG_ENV})")
+    for flag in FLAGS:
+        help_text = f"{flag.help} (default: {flag.default_text or _describe(flag.default)}; env {flag.env})"
+        if flag.kind is parse_bool:
+            parser.add_argument(flag.name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag.name, type=flag.kind, choices=flag.choices, metavar=flag.metavar,
+                                help=help_text)
+    return parser
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[ServerConfig, EngineConfig]:
+    """Parse flags, environment and YAML into the two config objects (argparse exits on bad flags)."""
+    environ = os.environ if environ is None else environ
+    given = vars(build_parser().parse_args(argv))
+    config_file = given.pop("config", None) or environ.get(CONFIG_ENV) or None
+    values = merge(read_yaml(config_file) if config_file else {}, read_env(environ), given)
+    return make(ServerConfig, values), make(EngineConfig, values)
+
+
+def merge(*sources: Mapping[str, Any]) -> dict[str, Any]:
+    """Later sources win; setting one of a group of alternatives drops the others set earlier."""
+    values: dict[str, Any] = {}
+    for source in sources:
+        for group in ALTERNATIVES:
+            if any(key in source for key in group):
+                for key in group:
+                    values.pop(key, None)
+        values.update(source)
+    return values
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values = {}
+    for flag in FLAGS:
+        text = environ.get(flag.env, "")
+        if text != "":  # an empty variable counts as unset (compose files pass ${X:-})
+            values[flag.field] = _convert(flag, text, flag.env)
+    return values
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, not {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in FLAGS_BY_FIELD)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(FLAGS_BY_FIELD)}")
+    return {
+        key: _convert(FLAGS_BY_FIELD[key], value, f"{path}: {key}")
+        for key, value in data.items()
+        if value is not None  # `key: null` leaves the default
+    }
+
+
+def make(target: type, values: Mapping[str, Any]):
+    own = {f.name for f in fields(target)}
+    try:
+        return target(**{k: v for k, v in values.items() if k in own})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _convert(flag: Flag, value: Any, source: str) -> Any:
+    """A YAML or environment value as the flag's type; strings go through the flag's parser."""
+    try:
+        if isinstance(value, str):
+            return flag.parse(value)
+        if flag.kind is parse_bool and isinstance(value, bool):
+            return value
+        if flag.kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if flag.kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if flag.kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return flag.parse(str(value))
+        raise ValueError(f"expected {_kind_name(flag)}, not {value!r}")
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _kind_name(flag: Flag) -> str:
+    return {int: "an integer", float: "a number", str: "a string", parse_bool: "true or false"}[flag.kind]
+
+
+def _describe(default: Any) -> str:
+    if default is MISSING or default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)

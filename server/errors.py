@@ -1,0 +1,121 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the server reports goes through `APIError`: engine errors are mapped onto
+it, FastAPI's 422 validation errors become 400, unknown routes 404, crashes 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.api import (
+    ContextLengthError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+QUEUE_RETRY_AFTER_S = 1
+LOADING_RETRY_AFTER_S = 5
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The API error for any exception: engine errors keep their meaning, the rest is a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), "server_error", code="queue_full",
+                        headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), "server_error", code="engine_unavailable",
+                        headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0] if exc.errors() else {}
+    param = _param(first.get("loc", ()))
+    message = first.get("msg", "invalid request")
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "json_invalid"}
+
+
+def _param(loc) -> str | None:
+    """pydantic's ('body', 'messages', 0, 'content', 'str') -> OpenAI's 'messages[0].content'."""
+    param = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part not in _UNION_TAGS and "[" not in part:  # skip the union member pydantic names
+            param += f".{part}" if param else part
+    return param or None
+
+
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """`on_error(request, api_error)` sees every error answered (for metrics)."""
+
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(request, error)
+        return error.response()
+
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        return answer(request, to_api_error(exc))
+
+    async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(exc))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return answer(request, APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return answer(request, to_api_error(exc))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(InvalidRequestError, api_error)
+    app.add_exception_handler(QueueFullError, api_error)
+    app.add_exception_handler(EngineUnavailableError, api_error)
+    app.add_exception_handler(RequestValidationError, request_validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, crash)

@@ -1,0 +1,352 @@
+"""OpenAI wire types (requests, responses, stream chunks, errors), in the shapes OpenAI uses.
+
+Requests ignore fields they do not know (clients send many; each is logged), but fields we
+know and cannot honour (`tools`, `response_format` other than text, `n` > 1, ...) are
+refused with a 400 that names them. `to_sampling_params()` is the only way a request
+reaches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.api import InvalidRequestError, SamplingParams, TokenLogprob
+
+FinishReason = Literal["stop", "length"]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    """A request: unknown fields are kept aside (and logged), not refused; clients send many."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class ResponseModel(BaseModel):
+    """A response object. Dumped with `exclude_unset=True`, so every field counts as set (OpenAI
+    sends `"logprobs": null` and the like) except those in `_omit_unless_given`."""
+
+    _omit_unless_given: ClassVar[frozenset[str]] = frozenset()
+
+    def model_post_init(self, context: Any, /) -> None:
+        self.model_fields_set.update(set(type(self).model_fields) - self._omit_unless_given)
+
+
+# -- errors ---------------------------------------------------------------------------------
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
+
+# -- models ---------------------------------------------------------------------------------
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "moe-serve"
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- shared request parts -------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The sampling fields chat and completions share (OpenAI's plus vLLM's common extensions)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = False  # some clients send null for the defaults
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int | None = 1
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        """(param, refused?, why) for each field we know but cannot honour."""
+        return [("n", self.n not in (None, 1), "only n=1 is supported")]
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _top_logprobs(self) -> int | None:
+        return None
+
+    def to_sampling_params(self) -> SamplingParams:
+        for param, refused, why in self._unsupported():
+            if refused:
+                raise InvalidRequestError(f"'{param}' is not supported by this server: {why}", param=param)
+        given = {
+            "max_tokens": self._max_tokens(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()) or None,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": _token_bias(self.logit_bias),
+            "top_logprobs": self._top_logprobs(),
+            "ignore_eos": self.ignore_eos,
+        }
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})  # None: engine default
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids (integers)", param="logit_bias") from None
+
+
+# -- chat completions -----------------------------------------------------------------------
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_engine(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        return {"role": self.role, "content": "" if content is None else content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+    chat_template: str | None = None
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        return super()._unsupported() + [
+            ("tools", bool(self.tools), "tool calling is not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calling is not supported"),
+            ("functions", bool(self.functions), "function calling is not supported"),
+            ("response_format", self.response_format is not None and self.response_format.type != "text",
+             "only response_format type 'text' is supported"),
+            ("chat_template", self.chat_template is not None, "the chat template comes from the model"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+             "top_logprobs needs logprobs: true"),
+        ]
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def engine_messages(self) -> list[dict[str, Any]]:
+        return [message.to_engine() for message in self.messages]
+
+
+class ChatLogprobTop(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(ResponseModel):
+    content: list[ChatLogprobToken] | None = None
+    refusal: list[ChatLogprobToken] | None = None
+
+    @classmethod
+    def of(cls, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
+        return cls(
+            content=[
+                ChatLogprobToken(
+                    token=lp.token,
+                    logprob=lp.logprob,
+                    bytes=list(lp.token.encode()),
+                    top_logprobs=[ChatLogprobTop(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
+                                  for t in lp.top],
+                )
+                for lp in logprobs
+            ],
+            refusal=None,
+        )
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(ResponseModel):
+    _omit_unless_given = frozenset({"role", "content"})  # the last chunk's delta is {}
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    _omit_unless_given = frozenset({"usage"})  # only on the usage chunk
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- completions ----------------------------------------------------------------------------
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        return super()._unsupported() + [
+            ("prompt", isinstance(self.prompt, list) and len(self.prompt) > 0
+             and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > 1,
+             "one prompt per request"),
+            ("echo", bool(self.echo), "echo is not supported"),
+            ("suffix", self.suffix is not None, "suffix (insertion) is not supported"),
+            ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
+        ]
+
+    def _top_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; a one-element batch is unwrapped."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        return prompt
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        out = cls()
+        for lp in logprobs:
+            out.tokens.append(lp.token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({t.token: t.logprob for t in lp.top})
+            out.text_offset.append(offset)
+            offset += len(lp.token)
+        return out
+
+
+class CompletionChoice(ResponseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(ResponseModel):
+    _omit_unless_given = frozenset({"usage"})  # streamed chunks carry it only on the usage chunk
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+CompletionStreamResponse = CompletionResponse  # OpenAI streams the same object, one piece at a time

@@ -1,0 +1,97 @@
+"""HTTP routes. Each only translates: wire request -> engine request -> wire response."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.api import EngineUnavailableError, GenerationRequest
+from server import protocol as p
+from server.errors import model_not_found
+from server.serving import ChatFormat, CompletionFormat, Serving
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def ready_engine(raw: Request, model: str | None = None):
+    """The loaded engine (503 while loading or dead); 404 when `model` is not the one served."""
+    client = raw.app.state.client
+    if client.error is not None:
+        raise EngineUnavailableError(f"the engine failed: {client.error}")
+    if not client.ready:
+        raise EngineUnavailableError("the model is still loading" if client.engine is None else "the engine stopped")
+    if model is not None and model != client.engine.model_name:
+        raise model_not_found(model)
+    return client.engine
+
+
+def serving(raw: Request) -> Serving:
+    return raw.app.state.serving
+
+
+def _note_ignored(body: p.OpenAIBaseModel) -> None:
+    if body.ignored_fields:
+        log.info("ignoring unsupported request fields: %s", ", ".join(body.ignored_fields))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
+    _note_ignored(body)
+    engine = ready_engine(raw, body.model)
+    params = body.to_sampling_params()
+    prompt = engine.apply_chat_template(body.engine_messages())  # the model's own template, never the request's
+    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs))
+    request = GenerationRequest(fmt.id, prompt, params)
+    return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
+    _note_ignored(body)
+    engine = ready_engine(raw, body.model)
+    params = body.to_sampling_params()
+    prompt = body.single_prompt()
+    prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    fmt = CompletionFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=body.logprobs is not None)
+    request = GenerationRequest(fmt.id, prompt_ids, params)
+    return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
+
+
+def _card(raw: Request, engine) -> p.ModelCard:
+    return p.ModelCard(id=engine.model_name, created=raw.app.state.started, max_model_len=engine.max_model_len)
+
+
+@router.get("/v1/models")
+async def list_models(raw: Request) -> p.ModelList:
+    engine = ready_engine(raw)
+    return p.ModelList(data=[_card(raw, engine)])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, raw: Request) -> p.ModelCard:
+    engine = ready_engine(raw, model_id)
+    return _card(raw, engine)
+
+
+@router.get("/v1/expert-cache")
+async def expert_cache(raw: Request) -> JSONResponse:
+    return JSONResponse(ready_engine(raw).cache_info())
+
+
+@router.get("/health")
+async def health(raw: Request) -> JSONResponse:
+    client = raw.app.state.client
+    if client.ready:
+        return JSONResponse({"status": "ok"})
+    if client.error is not None:
+        return JSONResponse({"status": "error", "error": client.error}, status_code=503)
+    return JSONResponse({"status": "loading" if client.engine is None else "stopped"}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    body, content_type = raw.app.state.metrics.render()
+    return Response(body, media_type=content_type)

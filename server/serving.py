@@ -1,0 +1,277 @@
+"""Runs one OpenAI request through the engine: streamed as SSE or collected into one response.
+
+`Submission` hands the request to the `EngineClient`; `ChatFormat` and `CompletionFormat`
+turn engine events into OpenAI objects; `Serving` drives the two and records metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+
+from engine.api import EngineUnavailableError, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from server import protocol as p
+from server.errors import APIError, to_api_error
+from server.metrics import ABORTED, ERROR, OK, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client has gone
+CLEANUP_TIMEOUT_S = 5
+SHUTDOWN_GRACE_S = 3  # for streams to end with an error event and [DONE] on shutdown
+
+
+class Submission:
+    """A request handed to the engine: validated and queued, its events not read yet."""
+
+    def __init__(self, client, request: GenerationRequest) -> None:
+        self.client, self.request_id = client, request.request_id
+        self._events = client.generate(request)
+        self._first = asyncio.ensure_future(_next(self._events))
+
+    @classmethod
+    async def start(cls, client, request: GenerationRequest) -> Submission:
+        """Raises the engine's refusals (400, 503) before any byte of the response is sent."""
+        submission = cls(client, request)
+        await asyncio.sleep(0)  # generate() validates and enqueues before its first suspension
+        if submission._first.done() and submission._first.exception() is not None:
+            raise submission._first.exception()
+        return submission
+
+    async def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        event = await self._first
+        while event is not None:
+            yield event
+            event = await _next(self._events)
+
+    def abort(self) -> None:
+        """Stops the request: a running one within a decode step, a queued one never starts."""
+        self.client.abort(self.request_id)
+        self._first.cancel()
+
+    async def close(self) -> None:
+        self.abort()
+        with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):  # also when the caller is cancelled
+            await asyncio.wait({self._first})
+            try:
+                await self._events.aclose()
+            except RuntimeError:  # still running in a task being cancelled: it aborts itself
+                pass
+
+
+async def _next(events: AsyncIterator[GenerationEvent]) -> GenerationEvent | None:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+@dataclass
+class Outcome:
+    """What a finished request produced, collected from its events."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, event: GenerationEvent) -> None:
+        self.text += event.text
+        self.logprobs.extend(event.logprobs)
+        if event.finish_reason is not None:
+            self.finish_reason, self.usage = event.finish_reason, event.usage
+
+
+def usage_info(usage: Usage | None) -> p.UsageInfo:
+    if usage is None:
+        return p.UsageInfo()
+    return p.UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                       total_tokens=usage.total_tokens)
+
+
+@dataclass
+class ChatFormat:
+    model: str
+    fingerprint: str
+    want_logprobs: bool
+    id: str = field(default_factory=lambda: p.random_id("chatcmpl"))
+    created: int = field(default_factory=p.now)
+
+    def _chunk(self, delta: p.DeltaMessage, logprobs=None, finish_reason=None) -> p.ChatCompletionStreamResponse:
+        choice = p.ChatCompletionStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        return p.ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model,
+                                              system_fingerprint=self.fingerprint, choices=[choice])
+
+    def opening(self) -> list[BaseModel]:
+        return [self._chunk(p.DeltaMessage(role="assistant", content=""))]
+
+    def delta(self, event: GenerationEvent, offset: int) -> BaseModel:
+        logprobs = p.ChatChoiceLogprobs.of(list(event.logprobs)) if self.want_logprobs else None
+        return self._chunk(p.DeltaMessage(content=event.text), logprobs)
+
+    def finish(self, finish_reason: str) -> BaseModel:
+        return self._chunk(p.DeltaMessage(), finish_reason=finish_reason)
+
+    def usage(self, usage: Usage | None) -> BaseModel:
+        return p.ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model,
+                                              system_fingerprint=self.fingerprint, choices=[],
+                                              usage=usage_info(usage))
+
+    def response(self, outcome: Outcome) -> BaseModel:
+        logprobs = p.ChatChoiceLogprobs.of(outcome.logprobs) if self.want_logprobs else None
+        choice = p.ChatCompletionChoice(index=0, message=p.AssistantMessage(content=outcome.text),
+                                        logprobs=logprobs, finish_reason=outcome.finish_reason)
+        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
+                                        system_fingerprint=self.fingerprint, choices=[choice],
+                                        usage=usage_info(outcome.usage))
+
+
+@dataclass
+class CompletionFormat:
+    model: str
+    fingerprint: str
+    want_logprobs: bool
+    id: str = field(default_factory=lambda: p.random_id("cmpl"))
+    created: int = field(default_factory=p.now)
+
+    def _chunk(self, text: str, logprobs=None, finish_reason=None) -> p.CompletionStreamResponse:
+        choice = p.CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
+                                          system_fingerprint=self.fingerprint, choices=[choice])
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def delta(self, event: GenerationEvent, offset: int) -> BaseModel:
+        logprobs = p.CompletionLogprobs.of(list(event.logprobs), offset) if self.want_logprobs else None
+        return self._chunk(event.text, logprobs)
+
+    def finish(self, finish_reason: str) -> BaseModel:
+        return self._chunk("", finish_reason=finish_reason)
+
+    def usage(self, usage: Usage | None) -> BaseModel:
+        return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
+                                          system_fingerprint=self.fingerprint, choices=[],
+                                          usage=usage_info(usage))
+
+    def response(self, outcome: Outcome) -> BaseModel:
+        logprobs = p.CompletionLogprobs.of(outcome.logprobs, 0) if self.want_logprobs else None
+        choice = p.CompletionChoice(index=0, text=outcome.text, logprobs=logprobs,
+                                    finish_reason=outcome.finish_reason)
+        return p.CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                    system_fingerprint=self.fingerprint, choices=[choice],
+                                    usage=usage_info(outcome.usage))
+
+
+Format = ChatFormat | CompletionFormat
+
+
+def _json(model: BaseModel) -> str:
+    return model.model_dump_json(exclude_unset=True)
+
+
+def _check_finished(outcome: Outcome, shutting_down: bool = False) -> None:
+    if outcome.finish_reason in ("stop", "length"):
+        return
+    if shutting_down:  # "abort" or no final event
+        raise APIError(503, "the server is shutting down", "server_error", code="server_shutdown")
+    raise EngineUnavailableError("the request was aborted before it finished")
+
+
+async def _abort_on(shutdown: anyio.Event, submission: Submission) -> None:
+    await shutdown.wait()
+    submission.client.abort(submission.request_id)  # the engine ends it within a decode step
+
+
+class Serving:
+    """Drives requests through the engine client; shared by the chat and completion routes."""
+
+    def __init__(self, client, metrics: ServerMetrics) -> None:
+        self.client, self.metrics = client, metrics
+
+    async def run(self, raw: Request, fmt: Format, request: GenerationRequest, stream: bool,
+                  include_usage: bool = False) -> Response:
+        timer = self.metrics.track()  # errors raised from here are counted by the error handlers
+        submission = await Submission.start(self.client, request)
+        if not stream:
+            return await self._complete(raw, submission, fmt, timer)
+        shutdown = anyio.Event()  # set by sse-starlette when the server stops: end streams cleanly
+        events = self._stream(submission, fmt, include_usage, timer, shutdown)
+        return EventSourceResponse(events, sep="\n", shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+
+    async def _stream(self, submission: Submission, fmt: Format, include_usage: bool, timer,
+                      shutdown: anyio.Event) -> AsyncIterator[str]:
+        status = ABORTED  # unless it ends below: the client went away
+        stopper = asyncio.ensure_future(_abort_on(shutdown, submission))
+        try:
+            async for chunk in self._chunks(submission, fmt, include_usage, timer, shutdown):
+                yield _json(chunk)
+            status = OK
+        except Exception as e:  # after the 200 went out: an error event, then [DONE]
+            status = ERROR
+            error = to_api_error(e)
+            log.warning("stream %s failed: %s", submission.request_id, error.message)
+            yield error.body().model_dump_json()
+        finally:
+            stopper.cancel()
+            timer.done(status)
+            await submission.close()
+        yield "[DONE]"
+
+    async def _chunks(self, submission: Submission, fmt: Format, include_usage: bool, timer,
+                      shutdown: anyio.Event) -> AsyncIterator[BaseModel]:
+        for chunk in fmt.opening():
+            yield chunk
+        outcome, offset = Outcome(), 0
+        async for event in submission:
+            timer.observe(event)
+            if event.text or event.logprobs:
+                yield fmt.delta(event, offset)
+            offset += len(event.text)
+            outcome.add(event)
+        _check_finished(outcome, shutdown.is_set())
+        yield fmt.finish(outcome.finish_reason)
+        if include_usage:
+            yield fmt.usage(outcome.usage)
+
+    async def _complete(self, raw: Request, submission: Submission, fmt: Format, timer) -> Response:
+        collect = asyncio.ensure_future(self._collect(submission, timer))
+        gone = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or the server is stopping): stop the request
+                collect.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({collect})  # its `finally` aborts the request
+                timer.done(ABORTED)
+        if collect.cancelled():
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        outcome = collect.result()
+        _check_finished(outcome)
+        timer.done(OK)
+        return JSONResponse(fmt.response(outcome).model_dump(exclude_unset=True))
+
+    async def _collect(self, submission: Submission, timer) -> Outcome:
+        outcome = Outcome()
+        try:
+            async for event in submission:
+                timer.observe(event)
+                outcome.add(event)
+        finally:
+            await submission.close()
+        return outcome
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

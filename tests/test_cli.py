@@ -1,0 +1,70 @@
+"""The `moe-serve` command line: `--help`, bad settings, the entry points."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.config import FLAGS, parse_bool
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_help_documents_every_flag_and_its_variable():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    assert "--config" in text and "MOE_SERVE_CONFIG" in text
+    for flag in FLAGS:
+        assert flag.name in text
+        assert flag.env in text
+        if flag.kind is parse_bool:
+            assert f"--no-{flag.name[2:]}" in text
+    assert "flag > environment > YAML > default" in text
+
+
+def test_help_does_not_load_the_engine():
+    code = "import sys; from server.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
+           "assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    (["--port", "http"], {}, "--port: invalid int value"),
+    (["--policy", "fifo"], {}, "invalid choice"),
+    (["--expert-cache-gb", "2", "--expert-cache-experts", "3"], {}, "not both"),
+    ([], {"MOE_SERVE_MAX_QUEUE": "zero"}, "MOE_SERVE_MAX_QUEUE"),
+])
+def test_bad_settings_exit_2_with_a_message(args, env, needle):
+    result = run_cli(*args, env={**os.environ, **env})
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "usage: moe-serve" in result.stderr
+
+
+def test_installed_console_script_answers_help():
+    script = shutil.which("moe-serve", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("moe-serve is not installed in this environment (pip install -e .)")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "usage: moe-serve" in result.stdout
+
+
+def test_console_script_points_at_main():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["moe-serve"] == "server.cli:main"
+    from server.cli import main
+
+    assert callable(main)

@@ -1,0 +1,409 @@
+"""End to end: a real `python -m server` process on a tiny random Mixtral, driven by the openai SDK
+and by raw httpx with a hand-written SSE parser."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server.testing import RemoteServer, sse_json
+
+MODEL = "tiny-mixtral"
+CHAT = [{"role": "user", "content": "Hello, who are you?"}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model on a busy 2-core box: 10x faster than 2 threads
+LONG = 490  # tokens: the fixture's context is 512
+ACCESSES_PER_TOKEN = 3 * 2  # the fixture: 3 MoE layers, top-2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.fixtures.models import build_checkpoint
+
+    return build_checkpoint("mixtral", tmp_path_factory.mktemp("tiny-mixtral"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    srv = RemoteServer(["--model", str(checkpoint), "--served-model-name", MODEL, "--device", "cpu",
+                        "--eamc-path", str(state / "eamc.json")], env=ONE_THREAD)  # the default policy
+    srv.start()
+    yield srv
+    assert srv.stop() in (0, -15), srv.log()[-3000:]  # SIGTERM: a graceful shutdown (uvicorn re-raises it) ...
+    assert "engine shut down" in srv.log()  # ... that closed the engine (which saves its state)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def stream_events(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return list(sse_json(response.iter_lines()))
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    text = http.get("/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+# -- listing and health ---------------------------------------------------------------------
+def test_health(http):
+    response = http.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_models_list_in_openai_shape(client, http):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "moe-serve"
+    assert isinstance(card["created"], int)
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+# -- chat completions -----------------------------------------------------------------------
+def test_chat_streamed_text_equals_non_streamed_at_temperature_0(client):
+    kwargs = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert full.system_fingerprint.startswith("fp_moe-serve-") and full.model == MODEL
+    assert full.choices[0].message.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_chat_usage_counts(client, tokenizer):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
+    text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    prompt_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 5
+    assert response.usage.total_tokens == prompt_tokens + 5
+
+
+def test_stop_string_ends_with_finish_reason_stop(client):
+    kwargs = {"model": MODEL, "messages": CHAT, "temperature": 0}
+    text = client.chat.completions.create(**kwargs, max_tokens=12).choices[0].message.content
+    cut = next(i for i in range(2, len(text) - 2) if text.find(text[i: i + 2]) == i)
+    stop = text[cut: cut + 2]
+    response = client.chat.completions.create(**kwargs, max_tokens=12, stop=[stop, "never-appears"])
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].message.content == text[:cut]
+    streamed = list(client.chat.completions.create(**kwargs, max_tokens=12, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_eos_ends_with_finish_reason_stop(client, checkpoint):
+    eos = json.loads((checkpoint / "generation_config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                              logit_bias={str(eos): 100})
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].message.content == ""
+    assert response.usage.completion_tokens == 1
+
+
+def test_content_parts_mean_the_same_as_a_string(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "who are you?"}]}]
+    kwargs = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    a = client.chat.completions.create(messages=CHAT, **kwargs)
+    b = client.chat.completions.create(messages=parts, **kwargs)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    # the engine decodes each token alone, so a SentencePiece token loses its leading space
+    assert "".join(t.token for t in content).replace(" ", "") == response.choices[0].message.content.replace(" ", "")
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[-1].logprob
+        assert token.bytes == list(token.token.encode())
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 1234,
+              "extra_body": {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1}}
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    b = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert a == b
+
+
+# -- completions ----------------------------------------------------------------------------
+def test_completion_streamed_text_equals_non_streamed_raw_sse(http):
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    full = http.post("/v1/completions", json=body).json()
+    events = stream_events(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+
+    assert full["object"] == "text_completion" and full["id"].startswith("cmpl-")
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == full["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+def test_completion_usage_counts(client, tokenizer):
+    prompt = "The capital of France is"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert response.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert response.usage.completion_tokens == 3
+    assert response.choices[0].finish_reason == "length"
+    ids = [5, 6, 7, 8, 9]
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=2).usage.prompt_tokens == len(ids)
+
+
+def test_completion_default_max_tokens_is_16(client):
+    response = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 16
+
+
+def test_completion_logprobs_shape(client):
+    response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [0, len(logprobs.tokens[0]), len(logprobs.tokens[0]) + len(logprobs.tokens[1])]
+
+
+def test_chat_stream_raw_shape(http):
+    events = stream_events(http, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 3,
+                                                          "temperature": 0})
+    assert events[-1] == "[DONE]"
+    first, *middle, last = events[:-1]
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(set(c["choices"][0]["delta"]) == {"content"} for c in middle)
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in events[:-1])  # no usage chunk unless asked
+
+
+# -- errors ---------------------------------------------------------------------------------
+ERRORS = [
+    # name, path, body, status, code, param
+    ("messages-not-a-list", "/v1/chat/completions", {"messages": "hi"}, 400, None, "messages"),
+    ("messages-missing", "/v1/chat/completions", {"model": MODEL}, 400, None, "messages"),
+    ("bad-type", "/v1/chat/completions", {"messages": CHAT, "max_tokens": "many"}, 400, None, "max_tokens"),
+    ("bad-content", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None,
+     "messages[0].content"),
+    ("temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, None, "temperature"),
+    ("top-logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, None,
+     "top_logprobs"),
+    ("n", "/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, None, "n"),
+    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, None, "tools"),
+    ("response-format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+     None, "response_format"),
+    ("chat-template", "/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ x }}"}, 400, None,
+     "chat_template"),
+    ("image-part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None,
+     "messages[0].content"),
+    ("logit-bias-vocab", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"99999999": 5}}, 400, None,
+     "logit_bias"),
+    ("unknown-model", "/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}, 404, "model_not_found", "model"),
+    ("context-overflow", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 100000}, 400,
+     "context_length_exceeded", "messages"),
+    ("prompt-overflow", "/v1/completions", {"prompt": [7] * 600, "max_tokens": 1}, 400, "context_length_exceeded",
+     "messages"),
+    ("batched-prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None, "prompt"),
+    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, None, "echo"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, code, param", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_error_table(http, path, body, status, code, param):
+    response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(response.json()) == {"error"} and set(error) == ERROR_KEYS
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["code"] == code and error["param"] == param
+
+
+def test_malformed_json_is_400(http):
+    response = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and set(response.json()["error"]) == ERROR_KEYS
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=CHAT,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_unknown_route_is_404_in_openai_shape(http):
+    response = http.get("/v1/nothing-here")
+    assert response.status_code == 404 and set(response.json()["error"]) == ERROR_KEYS
+
+
+def test_foreign_host_header_is_refused_while_bound_to_loopback(http):
+    response = http.get("/v1/models", headers={"Host": "attacker.example:8000"})
+    assert response.status_code == 403 and response.json()["error"]["code"] == "host_not_allowed"
+    assert http.get("/v1/models", headers={"Host": "localhost:8000"}).status_code == 200
+
+
+# -- cancellation ---------------------------------------------------------------------------
+def expert_accesses(http: httpx.Client) -> int:
+    view = http.get("/v1/expert-cache").json()
+    return view["hits"] + view["misses"]
+
+
+def wait_until_engine_idle(http: httpx.Client, timeout: float = 15) -> int:
+    """The expert-access count once it stops moving (the engine ran nothing for 0.3 s)."""
+    deadline = time.monotonic() + timeout
+    last = expert_accesses(http)
+    while True:
+        time.sleep(0.3)
+        now = expert_accesses(http)
+        if now == last and metric(http, "moe_queue_depth") == 0:
+            return now
+        assert time.monotonic() < deadline, "the engine kept running"
+        last = now
+
+
+def assert_next_request_starts_at_once(client) -> None:
+    start = time.monotonic()
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert time.monotonic() - start < 5
+
+
+def test_disconnect_mid_stream_aborts_and_the_next_request_starts_at_once(server, http, client):
+    aborted_before, accesses_before = metric(http, 'moe_requests_total{status="aborted"}'), expert_accesses(http)
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": LONG, "temperature": 0, "stream": True,
+            "extra_body": {"ignore_eos": True}}
+    with server.openai().chat.completions.create(**body) as stream:
+        chunks = [c for c, _ in zip(stream, range(3), strict=False)]
+    assert len(chunks) == 3  # the role chunk and two tokens; closing the stream disconnects
+    assert_next_request_starts_at_once(client)
+    ran = wait_until_engine_idle(http) - accesses_before
+    assert ran < ACCESSES_PER_TOKEN * LONG / 4  # stopped long before its 490 tokens
+    assert metric(http, 'moe_requests_total{status="aborted"}') == aborted_before + 1
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, http, client):
+    aborted_before, accesses_before = metric(http, 'moe_requests_total{status="aborted"}'), expert_accesses(http)
+    body = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": LONG, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a client that hangs up
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while expert_accesses(http) < accesses_before + 10 * ACCESSES_PER_TOKEN:  # it is decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert_next_request_starts_at_once(client)
+    ran = wait_until_engine_idle(http) - accesses_before
+    assert ran < ACCESSES_PER_TOKEN * LONG / 4
+    assert metric(http, 'moe_requests_total{status="aborted"}') == aborted_before + 1
+
+
+def test_requests_run_one_at_a_time_in_arrival_order(server, client, http):
+    finished: list[int] = []
+
+    def ask(i: int) -> None:
+        client.completions.create(model=MODEL, prompt="Count:", max_tokens=400 if i == 0 else 1, temperature=0,
+                                  extra_body={"ignore_eos": True})
+        finished.append(i)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for i, t in enumerate(threads):
+        t.start()
+        deadline = time.monotonic() + 10
+        while metric(http, "moe_queue_depth") < i + 1:  # arrival order 0, 1, 2; 1 and 2 wait behind the long 0
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    for t in threads:
+        t.join(60)
+    assert finished == [0, 1, 2]
+
+
+# -- metrics and the cache view -------------------------------------------------------------
+DESIGN_METRICS = [
+    "moe_expert_cache_hits_total", "moe_expert_cache_misses_total", "moe_expert_prefetches_total",
+    "moe_expert_prefetch_used_total", "moe_expert_bytes_transferred_total", "moe_eamc_entries",
+    'moe_requests_total{status="ok"}', "moe_queue_depth", "moe_time_to_first_token_seconds_count",
+    "moe_time_per_output_token_seconds_count", "moe_generated_tokens_total",
+]
+
+
+def test_metrics_names_and_counts(http, client):
+    before = {name: metric(http, name) for name in DESIGN_METRICS}
+    response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    after = {name: metric(http, name) for name in DESIGN_METRICS}
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+    assert after['moe_requests_total{status="ok"}'] == before['moe_requests_total{status="ok"}'] + 1
+    assert after["moe_generated_tokens_total"] == before["moe_generated_tokens_total"] + 4
+    assert after["moe_time_to_first_token_seconds_count"] == before["moe_time_to_first_token_seconds_count"] + 1
+    assert after["moe_time_per_output_token_seconds_count"] == before["moe_time_per_output_token_seconds_count"] + 1
+    accesses = after["moe_expert_cache_hits_total"] + after["moe_expert_cache_misses_total"]
+    assert accesses > before["moe_expert_cache_hits_total"] + before["moe_expert_cache_misses_total"]
+    assert after["moe_queue_depth"] == 0
+    assert response.usage.completion_tokens == 4
+
+
+def test_invalid_requests_are_counted(http):
+    before = metric(http, 'moe_requests_total{status="invalid"}')
+    http.post("/v1/chat/completions", json={"messages": CHAT, "n": 3})
+    assert metric(http, 'moe_requests_total{status="invalid"}') == before + 1
+
+
+def test_expert_cache_view(http, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    view = http.get("/v1/expert-cache").json()
+    assert view["policy"] == "sparsity-aware"
+    for key in ("capacity_experts", "hits", "misses", "hit_rate", "prefetches", "prefetch_accuracy", "eamc_entries",
+                "layers"):
+        assert key in view
+    assert 0 <= view["hit_rate"] <= 1
+    assert len(view["layers"]) == view["num_moe_layers"] == 3  # the fixture's 3 MoE layers
+    resident = sum(len(layer["resident_experts"]) for layer in view["layers"])
+    assert 0 < resident <= view["capacity_experts"] < view["total_experts"]
+    for layer in view["layers"]:
+        assert {"layer", "hits", "misses", "hit_rate", "resident_experts"} <= set(layer)
