@@ -31,7 +31,9 @@ from tests.fixtures.tokenizers import write_tokenizer
 PROMPT = "Explain, step by step, how a mixture-of-experts language model chooses its experts."
 
 
-def build_model(folder: Path, hidden: int, intermediate: int, layers: int, experts: int, dtype: torch.dtype) -> Path:
+def build_model(
+    folder: Path, hidden: int, intermediate: int, layers: int, experts: int, dtype: torch.dtype
+) -> Path:
     tokenizer = write_tokenizer("mixtral", folder)
     config = MixtralConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -69,7 +71,9 @@ def run_tpot(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
         total = 8 * 8
-        ours_all = Engine.load(EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total))
+        ours_all = Engine.load(
+            EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total)
+        )
         ours_quarter = Engine.load(
             EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total // 4)
         )
@@ -86,7 +90,9 @@ def run_tpot(args: argparse.Namespace) -> dict:
         after = ours_quarter.cache_counters()
         per_run = {k: (after[k] - before[k]) for k in ("hits", "misses", "bytes_transferred")}
     result = {name: _median_ms(values) for name, values in samples.items()}
-    result["tpot_ratio_ours_over_transformers"] = result["ours_all"]["tpot_ms"] / result["transformers"]["tpot_ms"]
+    result["tpot_ratio_ours_over_transformers"] = (
+        result["ours_all"]["tpot_ms"] / result["transformers"]["tpot_ms"]
+    )
     result["ours_25pct_cache"] = {
         "hit_rate": per_run["hits"] / (per_run["hits"] + per_run["misses"]),
         "misses_per_token": per_run["misses"] / args.tokens,
@@ -107,9 +113,15 @@ def _median_ms(values: list[tuple[float, float]]) -> dict:
 def rss_child(folder: str, host_cache_gb: float | None) -> None:
     """Runs in a fresh process: load, generate, print peak RSS."""
     engine = Engine.load(
-        EngineConfig(model=folder, device="cpu", policy="lru", expert_cache_experts=4, host_cache_gb=host_cache_gb)
+        EngineConfig(
+            model=folder, device="cpu", policy="lru", expert_cache_experts=4, host_cache_gb=host_cache_gb
+        )
     )
-    list(engine.generate(GenerationRequest("rss", engine.encode(PROMPT), SamplingParams(max_tokens=8, temperature=0))))
+    list(
+        engine.generate(
+            GenerationRequest("rss", engine.encode(PROMPT), SamplingParams(max_tokens=8, temperature=0))
+        )
+    )
     host = engine.loaded.host
     print(json.dumps({
         "peak_rss_mib": _peak_rss_mib(),
@@ -130,10 +142,16 @@ def run_rss(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp), 1024, 2816, 8, 8, torch.bfloat16)  # 64 experts x 17 MB bf16 on disk
         result = {"checkpoint_mib": sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors")) / 2**20}
-        budgets = {"one_expert_in_ram": 1e-9, f"host_cache_gb={args.host_cache_gb}": args.host_cache_gb, "all_in_ram": None}
+        budgets = {
+            "one_expert_in_ram": 1e-9,
+            f"host_cache_gb={args.host_cache_gb}": args.host_cache_gb,
+            "all_in_ram": None,
+        }
         for label, budget in budgets.items():
             code = f"from bench.engine_bench import rss_child; rss_child({str(folder)!r}, {budget!r})"
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            ).stdout
             result[label] = json.loads(out.strip().splitlines()[-1])
         base = result["one_expert_in_ram"]["peak_rss_mib"]
         for label in budgets:
@@ -142,7 +160,9 @@ def run_rss(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("what", choices=["tpot", "rss"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64)
