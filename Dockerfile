@@ -1,5 +1,5 @@
 # moe-serve in a container: `docker build -t moe-serve .`, then `docker run --gpus all -p 127.0.0.1:8000:8000
-# moe-serve` (docs/docker.md has the whole story: volumes, real models, API key, compose with Open WebUI).
+# moe-serve` (README.md "Run with Docker" has the whole story: volumes, real models, API key, compose with Open WebUI).
 #
 # The project is installed by install.sh, exactly as the README installs it: one requirements source
 # (pyproject.toml + requirements-nodeps.txt, torch pinned by install.sh's TORCH_SPEC default).
@@ -11,7 +11,7 @@
 # of a CUDA error at model load. The `runtime` flavour would add a second ~3 GB copy of the libraries the
 # wheels already bring. Ubuntu 24.04's python3 is 3.12, for which torch 2.13.0 has wheels.
 # Another pair (e.g. a CUDA 12.x build for drivers older than 580) is three build arguments: BASE_IMAGE,
-# TORCH_SPEC and PIP_EXTRA_INDEX_URL (docs/docker.md).
+# TORCH_SPEC and PIP_EXTRA_INDEX_URL (README.md, "Other builds").
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 
 FROM ${BASE_IMAGE} AS builder
