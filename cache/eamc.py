@@ -1,0 +1,170 @@
+"""The expert activation matrix collection (EAMC): a fixed-size memory of past requests' rEAMs.
+
+A new request is matched against it by cosine similarity to predict which experts it
+will use. Matching is one matrix–vector product over all entries: each entry is kept
+as a short count sketch (feature hashing of its unit-length prefill and decode
+matrices), so a query costs O(entries × sketch) instead of O(entries × L × E) and
+stays in the tens of microseconds at a thousand entries. Sketched cosines are unbiased
+estimates; `exact=True` computes them from the full matrices. When the collection is
+full, a new entry replaces the most similar stored one (exact cosine), which keeps the
+collection diverse (one entry per kind of request) and fresh (the newest of its kind).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cache.eam import RequestEAM
+
+DEFAULT_CAPACITY = 256  # see bench/RESULTS_cache.md: no gain beyond ~100 entries on 20-group traffic
+DEFAULT_SKETCH_DIM = 64  # per part (prefill, decode)
+ARRAY_NAMES = ("prefill", "decode", "decode_tokens")
+
+
+class EAMC:
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        capacity: int = DEFAULT_CAPACITY,
+        sketch_dim: int = DEFAULT_SKETCH_DIM,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError("EAMC capacity must be at least 1")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.capacity = capacity
+        dim = num_layers * num_experts
+        self._prefill = np.zeros((capacity, dim), dtype=np.float32)  # [N, L*E] raw counts
+        self._decode = np.zeros((capacity, dim), dtype=np.float32)  # [N, L*E] raw counts
+        self._tokens = np.zeros(capacity, dtype=np.float32)  # [N] decode tokens per entry
+        self._norms = np.zeros((capacity, 2), dtype=np.float32)  # [N, 2] prefill/decode L2 norms
+        self._sketcher = CountSketch(dim, sketch_dim)
+        self._sketch = np.zeros((capacity, 2 * self._sketcher.dim), dtype=np.float32)  # [N, 2S]
+        self._prob_sum = np.zeros(dim, dtype=np.float64)  # Σ entries' decode probabilities
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    # -- adding --------------------------------------------------------------------
+    def add(self, prefill: np.ndarray, decode: np.ndarray, decode_tokens: float) -> int:
+        """Store one request's rEAM parts `[L, E]`; returns its slot."""
+        p = np.asarray(prefill, dtype=np.float32).ravel()
+        d = np.asarray(decode, dtype=np.float32).ravel()
+        if self._size < self.capacity:
+            slot = self._size
+            self._size += 1
+        else:
+            slot = int(np.argmax(self.similarities(p, d, 0.5, exact=True)))
+            self._prob_sum -= self._decode[slot] / max(self._tokens[slot], 1.0)
+        self._store(slot, p, d, float(decode_tokens))
+        return slot
+
+    def add_request(self, ream: RequestEAM) -> int:
+        return self.add(ream.prefill, ream.decode, ream.decode_tokens)
+
+    def _store(self, slot: int, p: np.ndarray, d: np.ndarray, tokens: float) -> None:
+        self._prefill[slot] = p
+        self._decode[slot] = d
+        self._tokens[slot] = tokens
+        self._norms[slot] = (np.linalg.norm(p), np.linalg.norm(d))
+        self._sketch[slot] = np.concatenate([self._sketcher.unit(p), self._sketcher.unit(d)])
+        self._prob_sum += d / max(tokens, 1.0)
+
+    # -- matching ------------------------------------------------------------------
+    def similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float, exact: bool = False):
+        """Cosine similarity of the query to every entry: (1-w)·cos(prefill) + w·cos(decode)."""  # [N]
+        p = np.asarray(prefill, dtype=np.float32).ravel()
+        d = np.asarray(decode, dtype=np.float32).ravel()
+        n = self._size
+        if not exact:
+            query = np.concatenate(
+                [(1.0 - decode_weight) * self._sketcher.unit(p), decode_weight * self._sketcher.unit(d)]
+            )
+            return self._sketch[:n] @ query
+        sims = np.zeros(n, dtype=np.float32)
+        for part, q, w, col in ((self._prefill, p, 1.0 - decode_weight, 0), (self._decode, d, decode_weight, 1)):
+            qn = float(np.linalg.norm(q))
+            if w > 0 and qn > 0:
+                sims += w * (part[:n] @ q) / (np.maximum(self._norms[:n, col], 1e-12) * qn)
+        return sims
+
+    def match(
+        self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float = 0.5, top: int = 1, exact: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The `top` most similar entries, best first: (indices, similarities)."""
+        if self._size == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        sims = self.similarities(prefill, decode, decode_weight, exact)
+        top = min(top, self._size)
+        if top == 1:
+            best = np.array([int(np.argmax(sims))])
+        else:
+            best = np.argpartition(-sims, top - 1)[:top]
+            best = best[np.argsort(-sims[best])]
+        return best, sims[best]
+
+    # -- prediction ----------------------------------------------------------------
+    def decode_probability(self, indices: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        """Weighted mean over entries of the share of tokens using each expert."""  # [L, E]
+        idx = np.asarray(indices, dtype=np.int64)
+        w = np.ones(len(idx)) if weights is None else np.maximum(np.asarray(weights, dtype=np.float64), 0.0)
+        if len(idx) == 0 or w.sum() <= 0:
+            return self.mean_decode_probability()
+        probs = self._decode[idx] / np.maximum(self._tokens[idx], 1.0)[:, None]
+        return (w @ probs / w.sum()).reshape(self.num_layers, self.num_experts)
+
+    def mean_decode_probability(self) -> np.ndarray:
+        """The average over all entries (what a request of an unknown kind looks like)."""  # [L, E]
+        mean = self._prob_sum / max(self._size, 1)
+        return mean.reshape(self.num_layers, self.num_experts).astype(np.float32)
+
+    # -- persistence ---------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The stored entries as plain float32 arrays (what the EAMC file holds)."""
+        n, shape = self._size, (self._size, self.num_layers, self.num_experts)
+        return {
+            "prefill": self._prefill[:n].reshape(shape).copy(),
+            "decode": self._decode[:n].reshape(shape).copy(),
+            "decode_tokens": self._tokens[:n].copy(),
+        }
+
+    @classmethod
+    def from_arrays(
+        cls, arrays: dict[str, np.ndarray], capacity: int = DEFAULT_CAPACITY, sketch_dim: int = DEFAULT_SKETCH_DIM
+    ) -> EAMC:
+        """Rebuild from `arrays()`; with fewer slots than entries the replacement rule merges the rest."""
+        prefill, decode, tokens = (np.asarray(arrays[k], dtype=np.float32) for k in ARRAY_NAMES)
+        if prefill.ndim != 3 or decode.shape != prefill.shape or tokens.shape != prefill.shape[:1]:
+            raise ValueError("EAMC arrays must be prefill [N, L, E], decode [N, L, E], decode_tokens [N]")
+        eamc = cls(prefill.shape[1], prefill.shape[2], capacity, sketch_dim)
+        for p, d, t in zip(prefill, decode, tokens, strict=True):
+            eamc.add(p, d, t)
+        return eamc
+
+
+class CountSketch:
+    """Feature hashing of `in_dim`-vectors to `dim` buckets with random signs (seeded by `in_dim`).
+
+    Inner products of sketches estimate inner products of the inputs without bias; with
+    `in_dim <= dim` it is the identity, so cosines are exact.
+    """
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        self.identity = in_dim <= dim
+        self.dim = in_dim if self.identity else dim
+        rng = np.random.default_rng(in_dim)
+        self._bucket = rng.integers(0, self.dim, in_dim)
+        self._sign = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), in_dim)
+
+    def unit(self, x: np.ndarray) -> np.ndarray:
+        """Sketch of x / ‖x‖ (zeros for a zero vector)."""
+        norm = float(np.linalg.norm(x))
+        if norm == 0.0:
+            return np.zeros(self.dim, dtype=np.float32)
+        if self.identity:
+            return (x / norm).astype(np.float32)
+        nz = np.flatnonzero(x)
+        out = np.bincount(self._bucket[nz], weights=self._sign[nz] * x[nz], minlength=self.dim)
+        return (out / norm).astype(np.float32)

@@ -1,0 +1,397 @@
+"""Replay a `moe-trace/1` routing trace through the expert cache and a policy, moving no bytes.
+
+    python -m cache.replay TRACE --policy P (--capacity N | --capacity-frac F) [--json]
+    python -m cache.replay TRACE --sweep [--out DIR] [--fracs 0.05,0.1,0.25,0.5]
+
+The same `ExpertCache` and policy objects the engine uses run with `DryRunBackend`.
+Semantics (DESIGN.md): requests in file order, cache and EAMC carried over; a prefill
+step at layer l needs the union of all prompt tokens' experts at l (acquired in turns of
+at most `capacity` when it needs more); a decode step needs that token's experts at l;
+a miss is a needed expert not resident when its step runs; a transfer is any load,
+demand or prefetch. `belady` is the offline optimum, built from the trace's own future.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import sys
+import time
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
+from cache.expert_cache import DryRunBackend, ExpertCache
+from cache.policy import POLICIES, ExpertKey, Policy, make_policy
+from cache.stats import CacheStats
+from cache.trace import TraceHeader, TraceRequest, load_trace, read_trace
+
+REPLAY_POLICIES = ("lru", "lfu", "sparsity-aware", "belady")
+DEFAULT_FRACS = (0.05, 0.10, 0.25, 0.50)
+START, STEP, END = "start", "step", "end"
+
+
+# -- the offline optimum -----------------------------------------------------------------
+
+
+def next_use_positions(accesses: np.ndarray) -> np.ndarray:
+    """For each position i, the next position holding the same key (len(accesses) if none)."""
+    n = len(accesses)
+    order = np.argsort(accesses, kind="stable")  # positions grouped by key, in time order
+    nxt = np.full(n, n, dtype=np.int64)
+    same = accesses[order[1:]] == accesses[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
+class BeladyPolicy(Policy):
+    """Evict the resident expert whose next use lies farthest ahead; never prefetches.
+
+    Fed the exact sequence of accesses `on_access` will see (flat keys `layer * E +
+    expert`), it is still driven through `ExpertCache` like every other policy.
+    """
+
+    name = "belady"
+
+    def __init__(self, num_layers: int, num_experts: int, accesses: np.ndarray) -> None:
+        super().__init__(num_layers, num_experts)
+        accesses = np.asarray(accesses, dtype=np.int64)
+        self._keys = array("q", accesses.tobytes())  # compact, and indexing yields Python ints
+        self._next = array("q", next_use_positions(accesses).tobytes())
+        self._pos = 0
+        self._next_of: dict[ExpertKey, int] = {}  # resident key → position of its next use
+        self._heap: list[tuple[int, ExpertKey]] = []  # (-next use, key); stale entries are skipped
+
+    def on_access(self, key: ExpertKey) -> None:
+        pos = self._pos
+        if pos >= len(self._keys) or self._keys[pos] != key[0] * self.num_experts + key[1]:
+            raise RuntimeError(f"access {pos} is {key}, not the one the precomputed sequence holds")
+        self._pos = pos + 1
+        nxt = self._next[pos]
+        self._next_of[key] = nxt
+        heapq.heappush(self._heap, (-nxt, key))
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self._next_of.setdefault(key, self._pos)  # the access that follows sets the true value
+
+    def on_evict(self, key: ExpertKey) -> None:
+        self._next_of.pop(key, None)
+
+    def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
+        held = []
+        try:
+            while self._heap:
+                neg, key = heapq.heappop(self._heap)
+                if self._next_of.get(key) != -neg:
+                    continue  # evicted, or used again since this entry
+                held.append((neg, key))
+                if key not in protected:
+                    return key
+            raise LookupError("every resident expert is protected")
+        finally:
+            for item in held:
+                heapq.heappush(self._heap, item)
+
+
+# -- the steps of a trace --------------------------------------------------------------
+
+
+def iter_steps(header: TraceHeader, requests: Iterable[TraceRequest]) -> Iterator[tuple]:
+    """(START, id) · (STEP, phase, layer, sorted experts, tokens) per layer per step · (END, id)."""
+    for req in requests:
+        yield START, req.id
+        if len(req.prefill):
+            for layer in range(header.num_layers):
+                yield STEP, "prefill", layer, _union(req.prefill[:, layer]), len(req.prefill)
+        for token in _decode_rows(req.decode):
+            for layer, experts in enumerate(token):
+                yield STEP, "decode", layer, experts, 1
+        yield END, req.id
+
+
+def _union(ids: np.ndarray) -> list[int]:
+    unique = np.unique(ids)
+    return unique[unique >= 0].tolist()
+
+
+def _decode_rows(decode: np.ndarray) -> list:
+    """Per token, per layer, the sorted expert ids (padding dropped)."""
+    rows = np.sort(decode, axis=2)
+    if decode.size and (rows < 0).any():
+        return [[[e for e in ids if e >= 0] for ids in token] for token in rows.tolist()]
+    return rows.tolist()
+
+
+def chunks(experts: list[int], capacity: int) -> list[list[int]]:
+    """The turns of one step: all at once when they fit, else runs of `capacity`."""
+    if len(experts) <= capacity:
+        return [experts]
+    return [experts[i : i + capacity] for i in range(0, len(experts), capacity)]
+
+
+def access_sequence(header: TraceHeader, requests: Sequence[TraceRequest], capacity: int) -> np.ndarray:
+    """Flat keys in the exact order `ExpertCache.acquire` reports them to the policy."""
+    parts = []
+    E = header.num_experts
+    for event in iter_steps(header, requests):
+        if event[0] is STEP:
+            layer, experts = event[2], event[3]
+            for turn in chunks(experts, capacity):
+                parts.append(np.asarray(turn, dtype=np.int64) + layer * E)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+# -- one replay ------------------------------------------------------------------------
+
+
+def build_policy(name: str, header: TraceHeader, requests: Sequence[TraceRequest], capacity: int) -> Policy:
+    if name == "belady":
+        return BeladyPolicy(header.num_layers, header.num_experts, access_sequence(header, requests, capacity))
+    return make_policy(name, header.num_layers, header.num_experts)
+
+
+def replay(
+    header: TraceHeader,
+    requests: Sequence[TraceRequest],
+    policy: str | Policy,
+    capacity: int,
+    prefetch: bool = False,
+) -> dict:
+    """Run the trace through `ExpertCache` + policy; the counts of the DESIGN.md contract."""
+    started = time.perf_counter()
+    if isinstance(policy, str):
+        policy = build_policy(policy, header, requests, capacity)
+    stats = {"prefill": CacheStats(header.num_layers), "decode": CacheStats(header.num_layers)}
+    cache = ExpertCache(capacity, policy, stats["decode"], DryRunBackend(bytes_per_expert=1))
+    _drive(cache, policy, iter_steps(header, requests), capacity, stats, prefetch)
+    result = summarize(policy.name, capacity, header, len(requests), stats)
+    result["prefetch"] = prefetch
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _drive(cache: ExpertCache, policy: Policy, steps, capacity: int, stats: dict, prefetch: bool) -> None:
+    acquire, release, on_routing = cache.acquire, cache.release, policy.on_routing
+    for event in steps:
+        if event[0] is STEP:
+            _, phase, layer, experts, tokens = event
+            cache.stats = stats[phase]
+            on_routing(layer, experts, tokens, phase)
+            for turn in chunks(experts, capacity):
+                acquire(layer, turn)
+                release(layer, turn)
+            if prefetch:
+                for key in policy.prefetch_candidates(layer):
+                    cache.prefetch(key)
+        elif event[0] is START:
+            policy.on_request_start(event[1])
+        else:
+            policy.on_request_end(event[1])
+
+
+def summarize(name: str, capacity: int, header: TraceHeader, num_requests: int, stats: dict) -> dict:
+    pre, dec = stats["prefill"].totals(), stats["decode"].totals()
+    decode_accesses = dec["hits"] + dec["misses"]
+    decode_transfers = dec["misses"] + dec["prefetches"]
+    transfers = decode_transfers + pre["misses"] + pre["prefetches"]
+    total = header.num_layers * header.num_experts
+    return {
+        "policy": name,
+        "capacity": capacity,
+        "capacity_frac": round(capacity / total, 4),
+        "requests": num_requests,
+        "decode_accesses": decode_accesses,
+        "decode_misses": dec["misses"],
+        "decode_miss_rate": _ratio(dec["misses"], decode_accesses),
+        "prefill_accesses": pre["hits"] + pre["misses"],
+        "prefill_misses": pre["misses"],
+        "prefetches": pre["prefetches"] + dec["prefetches"],
+        "prefetch_used": pre["prefetch_used"] + dec["prefetch_used"],
+        "transfers": transfers,
+        "decode_transfers": decode_transfers,
+        "transfers_per_decode_access": _ratio(decode_transfers, decode_accesses),
+        "decode_miss_rate_per_layer": [
+            _ratio(m, h + m) for h, m in zip(stats["decode"].hits, stats["decode"].misses, strict=True)
+        ],
+    }
+
+
+def _ratio(a: int, b: int) -> float:
+    return round(a / b, 6) if b else 0.0
+
+
+def capacity_of(header: TraceHeader, capacity: int | None, frac: float | None) -> int:
+    """Slots from `--capacity` or `--capacity-frac`; at least one decode step's worth."""
+    if capacity is None:
+        capacity = round(frac * header.num_layers * header.num_experts)
+    if capacity < header.top_k:
+        raise ValueError(f"capacity {capacity} is below top_k={header.top_k}: a decode step cannot fit")
+    return capacity
+
+
+# -- sweep -----------------------------------------------------------------------------
+
+_TRACES: dict[str, tuple] = {}  # per worker process: path → loaded trace
+
+
+def _replay_job(path: str, policy: str, frac: float, prefetch: bool) -> dict:
+    if path not in _TRACES:
+        _TRACES[path] = load_trace(path)
+    header, requests = _TRACES[path]
+    result = replay(header, requests, policy, capacity_of(header, None, frac), prefetch)
+    result["capacity_frac_requested"] = frac
+    if prefetch:
+        result["policy"] += "+prefetch"
+    return result
+
+
+def sweep(path: str, policies: Sequence[str], fracs: Sequence[float], jobs: int, prefetch: bool) -> dict:
+    """Every policy at every capacity fraction; `prefetch` adds a sparsity-aware+prefetch series."""
+    tasks = [(path, p, f, False) for f in fracs for p in policies]
+    if prefetch:
+        tasks += [(path, "sparsity-aware", f, True) for f in fracs]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(_replay_job, *zip(*tasks, strict=True)))
+    else:
+        results = [_replay_job(*task) for task in tasks]
+    header = _header(path)
+    return {"trace": str(path), "model": header.model, "shape": _shape(header), "results": results}
+
+
+def _header(path: str) -> TraceHeader:
+    header, requests = read_trace(path)
+    requests.close()  # only the header is needed
+    return header
+
+
+def _shape(header: TraceHeader) -> str:
+    return f"{header.num_experts} experts, top-{header.top_k}, {header.num_layers} layers"
+
+
+def gap_closed(lru: float, ours: float, belady: float) -> float | None:
+    """Share of the LRU→Belady gap that `ours` closes (None when there is no gap)."""
+    gap = lru - belady
+    return (lru - ours) / gap if gap > 1e-12 else None
+
+
+def sweep_table(data: dict) -> tuple[list[str], list[list[str]]]:
+    """Rows per capacity: miss rate (transfers per decode access) per series, and gap closed."""
+    by = {(r["policy"], r["capacity_frac_requested"]): r for r in data["results"]}
+    series = list(dict.fromkeys(r["policy"] for r in data["results"]))
+    head = ["cache", *series, "gap closed"]
+    rows = []
+    for frac in sorted({r["capacity_frac_requested"] for r in data["results"]}):
+        cells = [f"{frac:.0%} ({by[(series[0], frac)]['capacity']})"]
+        for name in series:
+            r = by[(name, frac)]
+            cells.append(f"{r['decode_miss_rate']:.1%} ({r['transfers_per_decode_access']:.3f})")
+        rates = {name: by[(name, frac)]["decode_miss_rate"] for name in series}
+        closed = None
+        if {"lru", "belady", "sparsity-aware"} <= rates.keys():
+            closed = gap_closed(rates["lru"], rates["sparsity-aware"], rates["belady"])
+        cells.append("n/a" if closed is None else f"{closed:.0%}")
+        rows.append(cells)
+    return head, rows
+
+
+def write_sweep(data: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "sweep.json", out / "sweep.md", out / "sweep.png"]
+    paths[0].write_text(json.dumps(data, indent=1) + "\n")
+    head, rows = sweep_table(data)
+    lines = [
+        f"Trace `{data['trace']}` ({data['shape']}): decode miss rate (transfers per decode access)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+    paths[1].write_text("\n".join(lines) + "\n")
+    plot_sweep(data, paths[2])
+    return paths
+
+
+def plot_sweep(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["policy"] for r in data["results"]):
+        points = sorted((r["capacity_frac"], r["decode_miss_rate"]) for r in data["results"] if r["policy"] == name)
+        ax.plot([100 * x for x, _ in points], [100 * y for _, y in points], marker="o", label=name)
+    ax.set_xlabel("cache size (% of all experts)")
+    ax.set_ylabel("decode miss rate (%)")
+    ax.set_title(data["shape"])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- CLI -------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.sweep:
+        return _main_sweep(args)
+    if args.policy is None or (args.capacity is None) == (args.capacity_frac is None):
+        print("error: give --policy and one of --capacity / --capacity-frac (or --sweep)", file=sys.stderr)
+        return 2
+    header, requests = load_trace(args.trace)
+    result = replay(header, requests, args.policy, capacity_of(header, args.capacity, args.capacity_frac), args.prefetch)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            if key != "decode_miss_rate_per_layer":
+                print(f"{key:>28}: {value}")
+    return 0
+
+
+def _main_sweep(args) -> int:
+    policies = args.policy.split(",") if args.policy else list(REPLAY_POLICIES)
+    fracs = [float(f) for f in args.fracs.split(",")]
+    data = sweep(args.trace, policies, fracs, args.jobs, args.prefetch)
+    out = Path(args.out) if args.out else Path("bench/out") / Path(args.trace).stem
+    paths = write_sweep(data, out)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(paths[1].read_text(), end="")
+        print("wrote", ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cache.replay", description=__doc__.splitlines()[0])
+    parser.add_argument("trace", help="a moe-trace/1 file")
+    parser.add_argument("--policy", help=f"one of {', '.join(_policy_names())} (--sweep: a comma list)")
+    parser.add_argument("--capacity", type=int, help="cache slots, counted in experts over all layers")
+    parser.add_argument("--capacity-frac", type=float, help="cache slots as a fraction of L × E")
+    parser.add_argument("--prefetch", action="store_true", help="let the policy prefetch after each layer")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--sweep", action="store_true", help="every policy at every --fracs capacity")
+    parser.add_argument("--fracs", default=",".join(str(f) for f in DEFAULT_FRACS))
+    parser.add_argument("--out", help="sweep output folder (default bench/out/<trace name>)")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="sweep processes")
+    return parser
+
+
+def _policy_names() -> list[str]:
+    return sorted({*POLICIES, "belady"})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
