@@ -55,7 +55,7 @@ def engine_tpot(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, 
 
 
 def transformers_tpot(model, prompt: list[int], tokens: int) -> tuple[float, float]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         start = time.perf_counter()

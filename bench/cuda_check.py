@@ -1,0 +1,85 @@
+"""The CUDA checks, as one script for a lent GPU machine (no GPU is needed anywhere else).
+
+    python -m bench.cuda_check [--out FILE]
+
+1. pinned host memory: every host-store buffer is pinned;
+2. copies on a side stream: a slot load returns before its copy finishes and compute
+   waits on the copy's event, not on the whole device;
+3. equivalence on `cuda`: greedy tokens of the offloaded engine equal transformers' on
+   the same device for every family, with a tiny and a full cache;
+4. TPOT: `bench.engine_bench tpot --device cuda`.
+Prints one JSON object (also written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.fixtures.models import FAMILIES, build_checkpoint, load_reference
+
+PROMPT = "The quick brown fox jumps over the lazy dog, then"
+
+
+def check_pinned_and_streams(folder: Path) -> dict:
+    engine = Engine.load(EngineConfig(model=str(folder), device="cuda", policy="lru", expert_cache_experts=2))
+    host = engine.loaded.host
+    pinned = all(buf.is_pinned() for buf in host._resident.values())
+    backend = engine.runtime.cache.backend
+    start = time.perf_counter()
+    backend.load((0, 0), 0)
+    issued = time.perf_counter() - start
+    event = backend._loaded[0]
+    side_stream = backend._copy_stream != torch.cuda.current_stream()
+    event.synchronize()
+    return {"host_buffers_pinned": pinned, "copy_on_side_stream": side_stream, "load_issue_ms": 1000 * issued}
+
+
+def check_equivalence(tmp: Path) -> dict:
+    results = {}
+    for family in FAMILIES:
+        folder = build_checkpoint(family, tmp / family)
+        reference = load_reference(folder).to("cuda")
+        for slots in (1, 1000):
+            engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
+                                              expert_cache_experts=slots))  # fmt: skip
+            ids = engine.encode(PROMPT)
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            ours = [t for e in engine.generate(GenerationRequest("c", ids, params)) for t in e.token_ids]
+            with torch.no_grad():
+                x = torch.tensor([ids], device="cuda")
+                out = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+            results[f"{family}/{slots}"] = ours == out[0, len(ids) :].tolist()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "no CUDA device"
+    report: dict = {"device": torch.cuda.get_device_name()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        report["streams"] = check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams"))
+        report["equivalence"] = check_equivalence(tmp)
+    from bench.engine_bench import run_tpot
+
+    report["tpot"] = run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
