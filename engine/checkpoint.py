@@ -8,6 +8,7 @@ for Qwen/DeepSeek/OLMoE) and the fused keys transformers 5 uses in memory
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import defaultdict
@@ -72,6 +73,16 @@ def read_config_dict(folder: Path) -> dict:
             f"moe-serve supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """A short identity of the weights: file names, sizes and the first bytes of each shard."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}:".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]
 
 
 def module_name(checkpoint_name: str) -> str:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConfig
 
+from cache.eamc import EAMC
+from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
 from cache.prefetcher import Prefetcher
 from cache.trace import TraceWriter
 from engine.api import (
@@ -25,14 +27,17 @@ from engine.api import (
     InvalidRequestError,
     Usage,
 )
-from engine.checkpoint import resolve_model_path
+from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.model_loader import CacheSizing, OffloadedModel, load_offloaded_model
+from engine.paths import default_eamc_path
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
+
+EAMC_SAVE_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -61,6 +66,8 @@ class Engine:
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_text = tokenizer.decode(self._anchor)
+        self._eamc_saver: EAMCAutosaver | None = None
+        self._eamc_saved_at = time.monotonic()
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -80,6 +87,8 @@ class Engine:
             routers = [_top_k_of(self.model.model.layers[i].mlp.gate) for i in self.loaded.moe_layers]
             background = self.device.type != "cuda"  # CUDA copies are already async on a side stream
             runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit=2 * runtime.top_k)
+        if hasattr(runtime.policy, "eamc"):
+            self._eamc_saver = _eamc_saver(self, runtime.policy)
         if config.record_trace:
             runtime.recorder = TraceWriter(
                 config.record_trace, self.model_name, runtime.num_layers, runtime.num_experts, runtime.top_k
@@ -172,6 +181,13 @@ class Engine:
                     input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
         finally:
             self.runtime.end_request(request.request_id)
+            self._save_eamc_periodically()
+
+    def _save_eamc_periodically(self) -> None:
+        # between requests, on the worker thread: no lock needed against the policy
+        if self._eamc_saver and time.monotonic() - self._eamc_saved_at >= EAMC_SAVE_INTERVAL_S:
+            self._eamc_saver.save_if_changed()
+            self._eamc_saved_at = time.monotonic()
 
     def _forward(self, input_ids: torch.Tensor, kv: DynamicCache) -> torch.Tensor:
         out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
@@ -236,6 +252,8 @@ class Engine:
 
     def close(self) -> None:
         """Persist what must survive a restart; stop background work."""
+        if self._eamc_saver is not None:
+            self._eamc_saver.save_if_changed()
         if self.runtime.prefetcher is not None:
             self.runtime.prefetcher.close()
         if self.runtime.recorder is not None:
@@ -264,6 +282,18 @@ def _model_folder(config: EngineConfig) -> Path:
     if config.model is None:
         return ensure_demo_model()
     return resolve_model_path(config.model)
+
+
+def _eamc_saver(engine: Engine, policy) -> EAMCAutosaver:
+    """Load the saved EAMC into the policy (if it belongs to this model) and return its saver."""
+    runtime, config = engine.runtime, engine.config
+    identity = f"{engine.model_name}|{checkpoint_digest(engine.loaded.folder)}"
+    fingerprint = ModelFingerprint(engine.loaded.config.model_type, runtime.num_layers, runtime.num_experts, identity)
+    path = Path(config.eamc_path) if config.eamc_path else default_eamc_path(identity)
+    saved = load_eamc(path, fingerprint, capacity=config.eamc_capacity)
+    policy.eamc = saved or EAMC(runtime.num_layers, runtime.num_experts, capacity=config.eamc_capacity)
+    log.info("EAMC %s: %d entries loaded", path, len(policy.eamc))
+    return EAMCAutosaver(path, fingerprint, lambda: policy.eamc)
 
 
 def _top_k_of(gate):

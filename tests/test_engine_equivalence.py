@@ -65,7 +65,14 @@ def test_policy_and_prefetch_change_speed_never_tokens(family, tmp_path):
     for policy in ("lru", "lfu", "sparsity-aware"):
         for prefetch in (False, True):
             engine = Engine.load(
-                EngineConfig(model=str(folder), device="cpu", policy=policy, prefetch=prefetch, expert_cache_experts=6)
+                EngineConfig(
+                    model=str(folder),
+                    device="cpu",
+                    policy=policy,
+                    prefetch=prefetch,
+                    expert_cache_experts=6,
+                    eamc_path=str(tmp_path / f"{policy}-{prefetch}.eamc"),  # each starts cold
+                )
             )
             outputs[policy, prefetch] = [greedy(engine, engine.encode(p)) for p in prompts]
             counters = engine.cache_counters()
