@@ -12,6 +12,8 @@ collection diverse (one entry per kind of request) and fresh (the newest of its 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from cache.eam import RequestEAM
@@ -43,6 +45,8 @@ class EAMC:
         self._sketch = np.zeros((capacity, 2 * self._sketcher.dim), dtype=np.float32)  # [N, 2S]
         self._prob_sum = np.zeros(dim, dtype=np.float64)  # Σ entries' decode probabilities
         self._size = 0
+        self.version = 0  # bumped by every add (the autosaver saves only when it changed)
+        self._lock = threading.Lock()  # add vs arrays() from a saving thread
 
     def __len__(self) -> int:
         return self._size
@@ -52,13 +56,15 @@ class EAMC:
         """Store one request's rEAM parts `[L, E]`; returns its slot."""
         p = np.asarray(prefill, dtype=np.float32).ravel()
         d = np.asarray(decode, dtype=np.float32).ravel()
-        if self._size < self.capacity:
-            slot = self._size
-            self._size += 1
-        else:
-            slot = int(np.argmax(self.similarities(p, d, 0.5, exact=True)))
-            self._prob_sum -= self._decode[slot] / max(self._tokens[slot], 1.0)
-        self._store(slot, p, d, float(decode_tokens))
+        with self._lock:
+            if self._size < self.capacity:
+                slot = self._size
+                self._size += 1
+            else:
+                slot = int(np.argmax(self.similarities(p, d, 0.5, exact=True)))
+                self._prob_sum -= self._decode[slot] / max(self._tokens[slot], 1.0)
+            self._store(slot, p, d, float(decode_tokens))
+            self.version += 1
         return slot
 
     def add_request(self, ream: RequestEAM) -> int:
@@ -75,20 +81,27 @@ class EAMC:
     # -- matching ------------------------------------------------------------------
     def similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float, exact: bool = False):
         """Cosine similarity of the query to every entry: (1-w)·cos(prefill) + w·cos(decode)."""  # [N]
+        if not exact:
+            return self.sketched_similarities(self.sketch_query(prefill, decode, decode_weight))
         p = np.asarray(prefill, dtype=np.float32).ravel()
         d = np.asarray(decode, dtype=np.float32).ravel()
         n = self._size
-        if not exact:
-            query = np.concatenate(
-                [(1.0 - decode_weight) * self._sketcher.unit(p), decode_weight * self._sketcher.unit(d)]
-            )
-            return self._sketch[:n] @ query
         sims = np.zeros(n, dtype=np.float32)
         for part, q, w, col in ((self._prefill, p, 1.0 - decode_weight, 0), (self._decode, d, decode_weight, 1)):
             qn = float(np.linalg.norm(q))
             if w > 0 and qn > 0:
                 sims += w * (part[:n] @ q) / (np.maximum(self._norms[:n, col], 1e-12) * qn)
         return sims
+
+    def sketch_query(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float) -> np.ndarray:
+        """The query's sketch, weighted so that one product with the entries gives the similarity."""  # [2S]
+        p = np.asarray(prefill, dtype=np.float32).ravel()
+        d = np.asarray(decode, dtype=np.float32).ravel()
+        return np.concatenate([(1.0 - decode_weight) * self._sketcher.unit(p), decode_weight * self._sketcher.unit(d)])
+
+    def sketched_similarities(self, query_sketch: np.ndarray) -> np.ndarray:
+        """Estimated similarities to every entry: one matrix–vector product."""  # [N]
+        return self._sketch[: self._size] @ query_sketch
 
     def match(
         self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float = 0.5, top: int = 1, exact: bool = False
@@ -123,12 +136,13 @@ class EAMC:
     # -- persistence ---------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
         """The stored entries as plain float32 arrays (what the EAMC file holds)."""
-        n, shape = self._size, (self._size, self.num_layers, self.num_experts)
-        return {
-            "prefill": self._prefill[:n].reshape(shape).copy(),
-            "decode": self._decode[:n].reshape(shape).copy(),
-            "decode_tokens": self._tokens[:n].copy(),
-        }
+        with self._lock:
+            n, shape = self._size, (self._size, self.num_layers, self.num_experts)
+            return {
+                "prefill": self._prefill[:n].reshape(shape).copy(),
+                "decode": self._decode[:n].reshape(shape).copy(),
+                "decode_tokens": self._tokens[:n].copy(),
+            }
 
     @classmethod
     def from_arrays(

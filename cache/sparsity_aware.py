@@ -23,7 +23,6 @@ use, weighted by layer proximity; a prefetch only displaces an expert expected l
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -53,44 +52,129 @@ def proximity_weights(current: int, num_layers: int, horizon: int) -> list[tuple
     return [((current + j) % num_layers, 1.0 - (j - 1) / num_layers) for j in range(1, horizon + 1)]
 
 
-def bucket_of(share: float) -> int:
-    """Prediction bucket of a per-token use share (0: at least one half)."""
-    if share <= 0.0:
-        return NUM_BUCKETS - 1
-    return min(NUM_BUCKETS - 1, max(0, int(-math.log2(share) * BUCKETS_PER_OCTAVE)))
+def buckets_of(share: np.ndarray) -> np.ndarray:
+    """Prediction bucket of each per-token use share (0: at least one half; log-spaced below)."""
+    octaves = -np.log2(np.maximum(share, 1e-9)) * BUCKETS_PER_OCTAVE
+    return np.clip(np.floor(octaves), 0, NUM_BUCKETS - 1).astype(np.int64)
 
 
 class ReuseModel:
-    """Mean residual reuse distance (in passes) per (prediction bucket, age bin), learned online."""
+    """Expected residual reuse distance (in passes) per (prediction bucket, age bin), learned online.
+
+    Every reuse of an expert is one observation: the bucket its prediction was in when
+    it was last used, and the gap in passes. `table[b, a]` is the expected number of
+    further passes until the next use of an expert in bucket b that has gone unused
+    for `AGE_EDGES[a]` passes, counting reuses beyond `horizon` as `horizon`.
+    """
 
     def __init__(self, prior_weight: float = 4.0) -> None:
         shape = (NUM_BUCKETS, len(AGE_EDGES))
-        self.counts = np.zeros(shape)  # reuses observed with that bucket and gap bin
-        self.gap_sums = np.zeros(shape)  # Σ gaps of those reuses
+        self.counts = np.zeros(shape)  # [B, A] reuses seen per bucket and gap bin
+        self.gap_sums = np.zeros(shape)  # [B, A] Σ gaps of those reuses
         self.prior_weight = prior_weight
-        share = 2.0 ** -((np.arange(NUM_BUCKETS) + 0.5) / BUCKETS_PER_OCTAVE)
-        self._prior = ((1.0 - share) / share)[:, None]  # [B, 1] geometric residual
-        self.table = np.broadcast_to(self._prior, shape).copy()  # [B, A] expected residual passes
+        self._share = 2.0 ** -((np.arange(NUM_BUCKETS) + 0.5) / BUCKETS_PER_OCTAVE)  # [B] bucket centres
+        self._pending_buckets: list[int] = []
+        self._pending_gaps: list[int] = []
+        self.table = np.empty(shape)  # [B, A] expected residual passes
+        self.hazard = np.empty(shape)  # [B, A] chance of use at the next pass
+        self.refresh()
 
     def record(self, bucket: int, gap: int) -> None:
-        b = AGE_BIN[min(gap, MAX_AGE)]
-        self.counts[bucket, b] += 1.0
-        self.gap_sums[bucket, b] += gap
+        self._pending_buckets.append(bucket)
+        self._pending_gaps.append(gap)
 
     def refresh(self, horizon: float = float("inf")) -> None:
-        """table[b, a] = E[min(gap - edge_a, horizon) | gap ≥ edge_a], smoothed toward the geometric prior.
-
-        Reuses farther than `horizon` passes count as `horizon`: the cache will have
-        evicted the expert by then anyway, so how much farther does not matter.
-        """
+        self._flush()
+        edges = AGE_EDGES.astype(float)
+        n_ge = np.cumsum(self.counts[:, ::-1], axis=1)[:, ::-1]  # [B, A] reuses with gap ≥ edge
         mean_gap = self.gap_sums / np.maximum(self.counts, 1e-12)  # [B, A]
-        excess = mean_gap[:, None, :] - AGE_EDGES[None, :, None]  # [B, a, j] gap j beyond edge a
-        clipped = np.clip(excess, 0.0, horizon)
-        later = (np.arange(len(AGE_EDGES))[None, :] >= np.arange(len(AGE_EDGES))[:, None])[None]  # j ≥ a
-        n = (self.counts[:, None, :] * later).sum(axis=2)
-        s = (self.counts[:, None, :] * later * clipped).sum(axis=2)
-        prior = np.minimum(self._prior, horizon)
-        self.table = (s + self.prior_weight * prior) / (n + self.prior_weight)
+        clipped = np.clip(mean_gap[:, None, :] - edges[None, :, None], 0.0, horizon)  # [B, a, j]
+        later = np.triu(np.ones((len(edges), len(edges))))[None]  # [1, a, j]: j ≥ a
+        excess = (self.counts[:, None, :] * later * clipped).sum(axis=2)  # [B, A]
+        prior = np.minimum((1.0 - self._share) / self._share, horizon)[:, None]  # geometric residual
+        w = self.prior_weight
+        self.table = (excess + w * prior) / (n_ge + w)
+        width = np.diff(np.append(edges, 2 * edges[-1]))  # [A] passes per bin
+        self.hazard = (self.counts / width + w * self._share[:, None]) / (n_ge + w)
+
+    def _flush(self) -> None:
+        if not self._pending_gaps:
+            return
+        gaps = np.asarray(self._pending_gaps, dtype=np.int64)
+        buckets = np.asarray(self._pending_buckets, dtype=np.int64)
+        bins = AGE_BIN[np.minimum(gaps, MAX_AGE)]
+        np.add.at(self.counts, (buckets, bins), 1.0)
+        np.add.at(self.gap_sums, (buckets, bins), gaps.astype(float))
+        self._pending_buckets.clear()
+        self._pending_gaps.clear()
+
+
+class SharePredictor:
+    """Request-level prediction: each (layer, expert)'s expected share of the request's tokens.
+
+    share = (decode counts so far + w × prior) / (decode tokens so far + w), where the
+    prior comes from the EAMC entries most similar to the request (re-matched every
+    `rematch_every` tokens) and w, the weight of the prior in tokens of evidence, is the
+    one of `PRIOR_WEIGHTS` that has predicted past tokens best (so a poor EAMC, or
+    traffic without request kinds, automatically counts for little).
+    """
+
+    PRIOR_WEIGHTS = (1.0, 4.0, 16.0, 64.0, 256.0)
+
+    def __init__(self, eamc: EAMC, match_top: int = 3, rematch_every: int = 16) -> None:
+        self.eamc = eamc
+        self.match_top = match_top
+        self.rematch_every = rematch_every
+        shape = (eamc.num_layers, eamc.num_experts)
+        self.prior = np.full(shape, 1.0 / eamc.num_experts, dtype=np.float32)  # [L, E]
+        self.scores = np.zeros(len(self.PRIOR_WEIGHTS))  # decayed log-likelihood per weight
+        self.weight = 16.0
+        self._checkpoint: tuple[np.ndarray, int, np.ndarray] | None = None
+
+    def start(self, top_k: int) -> np.ndarray:
+        """A new request: the prior is what an average past request looked like."""
+        if len(self.eamc):
+            self.prior = self.eamc.mean_decode_probability()
+        else:
+            self.prior = np.full_like(self.prior, top_k / self.eamc.num_experts)
+        self._checkpoint = None
+        return self.prior
+
+    def update(self, request: RequestEAM) -> np.ndarray:
+        """The share at the start of a decode pass (re-matching on schedule)."""  # [L, E]
+        t = request.decode_tokens
+        if t % self.rematch_every == 0:
+            self._score(request)
+            self._rematch(request)
+            self._checkpoint = (request.decode.copy(), t, self.prior)
+        return (request.decode + self.weight * self.prior) / (t + self.weight)
+
+    def end(self, request: RequestEAM) -> None:
+        self._score(request)
+        if request.decode_tokens > 0:
+            self.eamc.add_request(request)
+
+    def _rematch(self, request: RequestEAM) -> None:
+        if not len(self.eamc):
+            return
+        t = request.decode_tokens
+        decode_weight = t / (t + self.rematch_every)  # the prompt first, then the request's own tokens
+        idx, sims = self.eamc.match(request.prefill, request.decode, decode_weight, top=self.match_top)
+        self.prior = 0.8 * self.eamc.decode_probability(idx, sims) + 0.2 * self.eamc.mean_decode_probability()
+
+    def _score(self, request: RequestEAM) -> None:
+        """Credit each prior weight with the log-likelihood of the tokens since the last checkpoint."""
+        if self._checkpoint is None:
+            return
+        counts, t, prior = self._checkpoint
+        new = request.decode - counts  # [L, E]
+        if new.sum() <= 0:
+            return
+        for i, w in enumerate(self.PRIOR_WEIGHTS):
+            share = (counts + w * prior) / (t + w)
+            share = share / share.sum(axis=1, keepdims=True)
+            self.scores[i] = 0.98 * self.scores[i] + float((new * np.log(np.maximum(share, 1e-9))).sum())
+        self.weight = self.PRIOR_WEIGHTS[int(np.argmax(self.scores))]
 
 
 class SparsityAwarePolicy(Policy):
@@ -105,80 +189,81 @@ class SparsityAwarePolicy(Policy):
         eamc_capacity: int = DEFAULT_CAPACITY,
         match_top: int = 3,
         rematch_every: int = 16,
-        prior_tokens: float = 8.0,
+        horizon_factor: float = 1.0,
         first_layer_bonus: float = 0.0,
         prefetch_horizon: int = 1,
         prefetch_min_share: float = 0.3,
         refresh_every: int = 64,
-        horizon_factor: float = 2.0,
     ) -> None:
         super().__init__(num_layers, num_experts)
-        self.eamc = eamc if eamc is not None else EAMC(num_layers, num_experts, eamc_capacity)
+        eamc = eamc if eamc is not None else EAMC(num_layers, num_experts, eamc_capacity)
+        self.predictor = SharePredictor(eamc, match_top, rematch_every)
         self.request = RequestEAM(num_layers, num_experts)
         self.reuse = ReuseModel()
-        self.match_top = match_top
-        self.rematch_every = rematch_every
-        self.prior_tokens = prior_tokens  # weight of the predicted prior, in tokens of evidence
+        self.horizon_factor = horizon_factor
         self.prefetch_horizon = prefetch_horizon
         self.prefetch_min_share = prefetch_min_share
         self.refresh_every = refresh_every
-        self.horizon_factor = horizon_factor
-        self._num_resident = 0
         L, E = num_layers, num_experts
-        self._layer_ids = np.arange(L)[:, None]  # [L, 1]
-        # first layers gain least from prefetch: their expected distance is cut by up to `bonus` passes
-        self._layer_bonus = first_layer_bonus * L * (L - 1 - np.arange(L)) / max(L - 1, 1)  # [L]
+        self._rows = np.arange(L)[:, None]  # [L, 1]
+        # the first layers gain least from prefetch: their expected distance is cut by up to `bonus` passes
+        self._bonus = (first_layer_bonus * L * (L - 1 - np.arange(L)) / max(L - 1, 1))[:, None]  # [L, 1]
         self._last_use = np.full((L, E), NEVER, dtype=np.int64)  # [L, E] pass of last use
-        self._last_bucket = np.full((L, E), NUM_BUCKETS - 1, dtype=np.int64)  # [L, E]
+        self._last_bucket = np.full((L, E), NUM_BUCKETS - 1, dtype=np.int64)  # [L, E] bucket then
+        self._buckets = np.full((L, E), NUM_BUCKETS - 1, dtype=np.int64)  # [L, E] buckets this pass
         self._resident = np.zeros((L, E), dtype=bool)  # [L, E]
-        self._prior = np.full((L, E), 1.0 / E, dtype=np.float32)  # [L, E] predicted per-token share
-        self._share = self._prior.copy()  # [L, E] current blended share
+        self._num_resident = 0
+        self._evictions = 0
+        self._evictions_since = (0, 0)  # (pass, evictions) at the last horizon update
+        self._eviction_rate = 0.0  # evictions per pass, smoothed
         self._top_k = 1  # largest decode routing seen
         self._pass = 0
-        self._layer = num_layers  # forces a new pass on the first routing
+        self._layer = L  # > any layer: the first routing starts a pass
         self._phase = ""
-        self._values = np.zeros((L, E))  # [L, E] expected distance + current layer
-        self._values_pass = -1  # pass the full values were computed in
-        self._bucket_rows = np.zeros((L, E), dtype=np.int64)  # [L, E] buckets of that pass
-        self._dirty: set[int] = set()  # layers whose rows changed since
-        self._hint: tuple[int, set[int]] | None = None
+        self._hint: tuple[int, list[int]] | None = None
+        # expected distance of each expert's next use, in layer steps, plus the current layer
+        self._ahead = np.zeros((L, E))  # [L, E] if its layer is still to run in this pass
+        self._behind = np.zeros((L, E))  # [L, E] if its layer has run
+        self._current = np.zeros((L, E))  # [L, E] rows ≤ current layer from behind, others ahead
+        self._values_pass = -1  # the pass those were computed for
+        self._flipped = -1  # rows 0..flipped of _current hold behind values
+        self._pending: list[tuple[int, int]] = []  # uses since, whose behind value is stale
 
-    # -- EAMC access for persistence ---------------------------------------------------
-    def get_eamc(self) -> EAMC:
-        return self.eamc
+    # -- EAMC access (the engine persists it) -------------------------------------------
+    @property
+    def eamc(self) -> EAMC:
+        return self.predictor.eamc
 
-    def set_eamc(self, eamc: EAMC) -> None:
+    @eamc.setter
+    def eamc(self, eamc: EAMC) -> None:
         if (eamc.num_layers, eamc.num_experts) != (self.num_layers, self.num_experts):
-            raise ValueError("EAMC shape does not match the model")
-        self.eamc = eamc
+            raise ValueError(f"an EAMC of {eamc.num_layers}×{eamc.num_experts} does not fit this model")
+        self.predictor.eamc = eamc
 
     # -- hooks -------------------------------------------------------------------------
     def on_request_start(self, request_id: str) -> None:
         self.request.reset()
-        self._prior = self._base_prior()
-        self._share = self._prior.copy()
+        self._buckets = buckets_of(self.predictor.start(self._top_k))
         self._layer = self.num_layers
         self._hint = None
 
     def on_request_end(self, request_id: str) -> None:
-        if self.request.decode_tokens > 0:
-            self.eamc.add_request(self.request)
+        self.predictor.end(self.request)
         self.request.reset()
 
     def on_routing(self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str) -> None:
         if layer <= self._layer or phase != self._phase:
             self._new_pass(phase)
         self._layer = layer
+        self._hint = None
         self.request.add(layer, expert_ids, phase, tokens)
         if phase == "decode" and len(expert_ids) > self._top_k:
             self._top_k = len(expert_ids)
         self._note_uses(layer, expert_ids)
-        self._dirty.add(layer)
-        self._hint = None
 
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
-        """The engine's guess of `layer`'s experts (its router applied early); raises their priority."""
-        self._hint = (layer, set(expert_ids))
+        """The engine's guess of `layer`'s experts (the next router applied early): prefetch them first."""
+        self._hint = (layer, list(expert_ids))
 
     def on_insert(self, key: ExpertKey) -> None:
         self._resident[key] = True
@@ -187,10 +272,13 @@ class SparsityAwarePolicy(Policy):
     def on_evict(self, key: ExpertKey) -> None:
         self._resident[key] = False
         self._num_resident -= 1
+        self._evictions += 1
 
     def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
-        values = np.where(self._resident, self._fresh_values(), -np.inf)  # [L, E]
+        values = np.where(self._resident, self._values(), -np.inf)  # [L, E]
         E = self.num_experts
+        if len(protected) > 4:  # a prefill step: mask them all at once
+            values.flat[[layer * E + e for layer, e in protected]] = -np.inf
         while True:
             flat = int(np.argmax(values))
             if values.flat[flat] == -np.inf:
@@ -201,97 +289,85 @@ class SparsityAwarePolicy(Policy):
             values.flat[flat] = -np.inf
 
     def prefetch_candidates(self, layer: int) -> list[ExpertKey]:
-        """Non-resident experts of the next layer(s) likely enough to be used, most wanted first."""
+        """Non-resident experts of the next layer(s) likely to be used, most wanted first."""
         scored = []
         for target, weight in proximity_weights(layer, self.num_layers, self.prefetch_horizon):
-            share = self.predicted_share(target)  # [E]
-            for e in np.flatnonzero((share >= self.prefetch_min_share) & ~self._resident[target]).tolist():
-                scored.append((weight * float(share[e]), (target, e)))
+            chance = weight * self.use_chance(target)  # [E]
+            for e in np.flatnonzero((chance >= self.prefetch_min_share) & ~self._resident[target]).tolist():
+                scored.append((float(chance[e]), (target, e)))
         scored.sort(reverse=True)
         return [key for _, key in scored[: self._top_k * self.prefetch_horizon]]
 
     def prefetch_priority(self, key: ExpertKey) -> float:
-        return -float(self._fresh_values()[key])
+        return -float(self._values()[key])
 
     # -- prediction --------------------------------------------------------------------
-    def predicted_share(self, layer: int) -> np.ndarray:
-        """Per expert of `layer`: expected chance the next token uses it (recency-aware)."""  # [E]
-        c, p = self._layer, self._pass
-        age = p + (layer <= c) - self._last_use[layer]
-        bins = AGE_BIN[np.minimum(age, MAX_AGE)]
-        buckets = self._buckets(layer)
-        residual = self.reuse.table[buckets, bins]
-        share = 1.0 / (1.0 + residual)
+    def use_chance(self, layer: int) -> np.ndarray:
+        """Per expert of `layer`: the chance that its next run uses it."""  # [E]
+        age = self._pass + (layer <= self._layer) - self._last_use[layer]
+        chance = self.reuse.hazard[self._buckets[layer], AGE_BIN[np.minimum(age, MAX_AGE)]]
         if self._hint is not None and self._hint[0] == layer:
-            share[list(self._hint[1])] = 1.0
-        return share
+            chance[self._hint[1]] = 1.0
+        return chance
 
-    def _base_prior(self) -> np.ndarray:
-        if len(self.eamc):
-            return self.eamc.mean_decode_probability()
-        return np.full((self.num_layers, self.num_experts), self._top_k / self.num_experts, dtype=np.float32)
+    def _horizon(self) -> float:
+        """Passes an expert can expect to stay: slots over evictions per pass (recent average)."""
+        passes = self._pass - self._evictions_since[0]
+        if passes > 0:
+            rate = (self._evictions - self._evictions_since[1]) / passes
+            self._eviction_rate = 0.5 * self._eviction_rate + 0.5 * rate if self._eviction_rate else rate
+            self._evictions_since = (self._pass, self._evictions)
+        per_pass = max(self._eviction_rate, 1e-3)
+        return self.horizon_factor * max(self._num_resident, 1) / per_pass
 
-    def _rematch(self) -> None:
-        """Predict this request's per-token shares from the EAMC entries most like it."""
-        if not len(self.eamc):
-            return
-        t = self.request.decode_tokens  # tokens before this pass
-        weight = t / (t + self.rematch_every)
-        idx, sims = self.eamc.match(self.request.prefill, self.request.decode, weight, top=self.match_top)
-        matched = self.eamc.decode_probability(idx, sims)
-        self._prior = 0.8 * matched + 0.2 * self.eamc.mean_decode_probability()
-
+    # -- bookkeeping -------------------------------------------------------------------
     def _new_pass(self, phase: str) -> None:
         self._pass += 1
         self._phase = phase
         if phase == "decode":
-            t = self.request.decode_tokens  # tokens before this pass
-            if t % self.rematch_every == 0:
-                self._rematch()
-            k = self.prior_tokens
-            self._share = (self.request.decode + k * self._prior) / (t + k)
+            self._buckets = buckets_of(self.predictor.update(self.request))
         if self._pass % self.refresh_every == 0:
             self.reuse.refresh(self._horizon())
 
-    def _horizon(self) -> float:
-        """Passes an expert can expect to stay: the cache holds that many passes' worth of experts."""
-        per_pass = self.num_layers * self._top_k
-        return self.horizon_factor * max(self._num_resident, per_pass) / per_pass
-
-    def _buckets(self, layer: int | None = None) -> np.ndarray:
-        share = self._share if layer is None else self._share[layer]
-        octaves = -np.log2(np.maximum(share, 1e-9)) * BUCKETS_PER_OCTAVE
-        return np.minimum(NUM_BUCKETS - 1, np.floor(octaves)).astype(np.int64).clip(0)
-
-    # -- bookkeeping -------------------------------------------------------------------
     def _note_uses(self, layer: int, expert_ids: Sequence[int]) -> None:
-        last, last_bucket, share, now = self._last_use[layer], self._last_bucket[layer], self._share[layer], self._pass
+        last, last_bucket, buckets, now = self._last_use[layer], self._last_bucket[layer], self._buckets[layer], self._pass
         for e in expert_ids:
             previous = int(last[e])
             if previous != NEVER:
                 self.reuse.record(int(last_bucket[e]), now - previous)
             last[e] = now
-            last_bucket[e] = bucket_of(float(share[e]))
+            last_bucket[e] = buckets[e]
+        if self._values_pass == now:
+            self._pending.extend((layer, e) for e in expert_ids)
 
-    def _fresh_values(self) -> np.ndarray:
-        """Expected distance (in layer steps, plus the current layer) of every expert's next use."""
+    def _values(self) -> np.ndarray:
+        """Expected distance of every expert's next use (plus the current layer), up to date."""  # [L, E]
+        c = self._layer
         if self._values_pass != self._pass:
-            self._bucket_rows = self._buckets()
-            self._values = self._compute_values(np.arange(self.num_layers))
-            self._values_pass = self._pass
-        elif self._dirty:
-            rows = np.fromiter(self._dirty, dtype=np.int64)
-            self._values[rows] = self._compute_values(rows)
-        self._dirty.clear()
-        return self._values
+            self._compute_values()
+        elif c > self._flipped:
+            self._current[self._flipped + 1 : c + 1] = self._behind[self._flipped + 1 : c + 1]
+            self._flipped = c
+        if self._pending:
+            self._patch_used()
+        return self._current
 
-    def _compute_values(self, layers: np.ndarray) -> np.ndarray:
-        L, c = self.num_layers, self._layer
-        behind = (layers <= c)[:, None]  # [n, 1] already run in this pass
-        age = self._pass + behind - self._last_use[layers]  # [n, E] passes at its next chance
-        residual = self.reuse.table[self._bucket_rows[layers], AGE_BIN[np.minimum(age, MAX_AGE)]]
-        distance = layers[:, None] + L * behind + L * residual  # minus c: constant within a pass
-        return distance - self._layer_bonus[layers][:, None]
+    def _compute_values(self) -> None:
+        L, c, table = self.num_layers, self._layer, self.reuse.table
+        for behind, out in ((0, self._ahead), (1, self._behind)):
+            age = np.minimum(self._pass + behind - self._last_use, MAX_AGE)  # [L, E] at the next chance
+            out[:] = self._rows + L * behind + L * table[self._buckets, AGE_BIN[age]] - self._bonus
+        self._current = np.where(self._rows <= c, self._behind, self._ahead)
+        self._values_pass, self._flipped = self._pass, c
+        self._pending.clear()
+
+    def _patch_used(self) -> None:
+        """Experts used in this pass since the values were computed: next chance one pass on."""
+        L, table, one = self.num_layers, self.reuse.table, AGE_BIN[1]
+        for layer, e in self._pending:
+            value = layer + L + L * table[self._last_bucket[layer, e], one] - self._bonus[layer, 0]
+            self._behind[layer, e] = self._current[layer, e] = value
+        self._pending.clear()
 
 
 def _factory(num_layers: int, num_experts: int) -> SparsityAwarePolicy:
