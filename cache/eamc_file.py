@@ -169,13 +169,6 @@ def quarantine(path: Path) -> Path:
     return target
 
 
-def default_eamc_path(model_id: str) -> Path:
-    """One file per model under the per-user state folder ($XDG_STATE_HOME or ~/.local/state)."""
-    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_id).strip("._") or "model"
-    return state / "moe-serve" / "eamc" / f"{safe}.eamc"
-
-
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)

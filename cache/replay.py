@@ -327,7 +327,8 @@ def plot_sweep(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["policy"] for r in data["results"]):
         points = sorted((r["capacity_frac"], r["decode_miss_rate"]) for r in data["results"] if r["policy"] == name)
-        ax.plot([100 * x for x, _ in points], [100 * y for _, y in points], marker="o", label=name)
+        style = "--" if name.endswith("+prefetch") else "-"
+        ax.plot([100 * x for x, _ in points], [100 * y for _, y in points], style, marker="o", label=name)
     ax.set_xlabel("cache size (% of all experts)")
     ax.set_ylabel("decode miss rate (%)")
     ax.set_title(data["shape"])

@@ -5,7 +5,7 @@ evicts the one whose next use it *expects* farthest ahead, in layer steps:
 
     distance(l, e) = layer distance to l's next pass  +  L × expected passes until e is used again
 
-The first term is exact (passes run layers 0..L-1 in turn); it is what stops LRU's
+The first term is exact (a pass runs layers 0..L-1 in turn); it is what stops LRU's
 thrashing when a token's experts across all layers do not fit: experts of layers just
 run wait a whole pass, so they go first and the rest stay. The second term is a
 learned estimate, conditioned on two signals:
@@ -13,9 +13,10 @@ learned estimate, conditioned on two signals:
 - request-level prediction: the expected share of this request's tokens that use
   (l, e), from the request's own decode counts so far blended with a prior predicted
   by matching the request's rEAM against the EAMC (past requests of the same kind).
-The estimate is a table of mean residual reuse distances per (prediction bucket, age
-bin), learned online from every reuse the policy observes (so it calibrates itself to
-the model and traffic at hand), smoothed toward a geometric model when data is thin.
+It comes from a hazard table per (prediction bucket, age bin) — the chance of use per
+pass — learned online from every use and every pass an expert waits (so it calibrates
+itself to the model and traffic at hand), and counts only reuses within a horizon of
+about one turnover of the cache (a later reuse is no better than none).
 
 Prefetch: after layer l, the experts of the next layer(s) with the highest predicted
 use, weighted by layer proximity; a prefetch only displaces an expert expected later.
@@ -23,6 +24,7 @@ use, weighted by layer proximity; a prefetch only displaces an expert expected l
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -39,6 +41,7 @@ AGE_EDGES = np.array(
 )  # lower edges of the age bins, in passes
 MAX_AGE = int(AGE_EDGES[-1])
 AGE_BIN = np.searchsorted(AGE_EDGES, np.arange(MAX_AGE + 1), side="right") - 1  # age → bin
+AGE_TIEBREAK = 1e-3  # layer steps per pass of age: orders experts whose estimates tie
 BUCKETS_PER_OCTAVE = 2
 NUM_BUCKETS = 12 * BUCKETS_PER_OCTAVE  # prediction buckets: per-token use share, log-spaced
 
@@ -59,54 +62,63 @@ def buckets_of(share: np.ndarray) -> np.ndarray:
 
 
 class ReuseModel:
-    """Expected residual reuse distance (in passes) per (prediction bucket, age bin), learned online.
+    """Reuse statistics per (prediction bucket, age bin), learned online as a discrete-time hazard.
 
-    Every reuse of an expert is one observation: the bucket its prediction was in when
-    it was last used, and the gap in passes. `table[b, a]` is the expected number of
-    further passes until the next use of an expert in bucket b that has gone unused
-    for `AGE_EDGES[a]` passes, counting reuses beyond `horizon` as `horizon`.
+    An expert's bucket is the one its prediction was in when it was last used; its age
+    is the number of passes since. Every pass, each expert at risk adds one exposure to
+    its (bucket, age bin); every reuse adds one event. The hazard events / exposures is
+    the chance of use per pass; counting exposures (not only reuses) keeps experts that
+    are never used again in the statistics, which a mean of observed gaps would miss.
+    `table[b, a]`: expected passes after the next chance until the next use of an expert
+    of bucket b that has been unused for `AGE_EDGES[a]` passes, truncated at `horizon`
+    (reuses later than that are as good as none: the cache will have evicted it anyway).
     """
 
     def __init__(self, prior_weight: float = 4.0) -> None:
         shape = (NUM_BUCKETS, len(AGE_EDGES))
-        self.counts = np.zeros(shape)  # [B, A] reuses seen per bucket and gap bin
-        self.gap_sums = np.zeros(shape)  # [B, A] Σ gaps of those reuses
-        self.prior_weight = prior_weight
-        self._share = 2.0 ** -((np.arange(NUM_BUCKETS) + 0.5) / BUCKETS_PER_OCTAVE)  # [B] bucket centres
-        self._pending_buckets: list[int] = []
-        self._pending_gaps: list[int] = []
+        self.events = np.zeros(shape)  # [B, A] reuses
+        self.exposure = np.zeros(shape)  # [B, A] passes spent at risk
+        self.prior_weight = prior_weight  # in passes of exposure
+        share = 2.0 ** -((np.arange(NUM_BUCKETS) + 0.5) / BUCKETS_PER_OCTAVE)  # [B] bucket centres
+        # before data: the bucket's share, raised for the recently used (bursty, as LRU assumes)
+        self._prior = np.minimum(share[:, None] + 1.0 / (AGE_EDGES[None, :] + 1.0), 0.9)  # [B, A]
+        self._width = np.diff(np.append(AGE_EDGES, 1 << 30)).astype(float)  # [A] passes per bin
+        self._pending: list[int] = []  # flat (bucket, gap bin) of reuses since the last refresh
+        self.hazard = self._prior.copy()  # [B, A] chance of use per pass
         self.table = np.empty(shape)  # [B, A] expected residual passes
-        self.hazard = np.empty(shape)  # [B, A] chance of use at the next pass
         self.refresh()
 
     def record(self, bucket: int, gap: int) -> None:
-        self._pending_buckets.append(bucket)
-        self._pending_gaps.append(gap)
+        self._pending.append(bucket * len(AGE_EDGES) + int(AGE_BIN[min(gap, MAX_AGE)]))
+
+    def expose(self, buckets: np.ndarray, ages: np.ndarray, passes: float = 1.0) -> None:
+        """Experts at risk this pass: their buckets at last use and their ages (flat arrays)."""
+        idx = buckets * len(AGE_EDGES) + AGE_BIN[np.minimum(ages, MAX_AGE)]
+        self.exposure += passes * np.bincount(idx, minlength=self.exposure.size).reshape(self.exposure.shape)
 
     def refresh(self, horizon: float = float("inf")) -> None:
-        self._flush()
-        edges = AGE_EDGES.astype(float)
-        n_ge = np.cumsum(self.counts[:, ::-1], axis=1)[:, ::-1]  # [B, A] reuses with gap ≥ edge
-        mean_gap = self.gap_sums / np.maximum(self.counts, 1e-12)  # [B, A]
-        clipped = np.clip(mean_gap[:, None, :] - edges[None, :, None], 0.0, horizon)  # [B, a, j]
-        later = np.triu(np.ones((len(edges), len(edges))))[None]  # [1, a, j]: j ≥ a
-        excess = (self.counts[:, None, :] * later * clipped).sum(axis=2)  # [B, A]
-        prior = np.minimum((1.0 - self._share) / self._share, horizon)[:, None]  # geometric residual
+        if self._pending:
+            self.events += np.bincount(self._pending, minlength=self.events.size).reshape(self.events.shape)
+            self._pending.clear()
         w = self.prior_weight
-        self.table = (excess + w * prior) / (n_ge + w)
-        width = np.diff(np.append(edges, 2 * edges[-1]))  # [A] passes per bin
-        self.hazard = (self.counts / width + w * self._share[:, None]) / (n_ge + w)
+        seen = self.exposure + w
+        hazard = np.where(seen > 0, (self.events + w * self._prior) / np.maximum(seen, 1e-12), self._prior)
+        self.hazard = np.clip(hazard, 1e-9, 1.0 - 1e-9)
+        self.table = self._residual(horizon)
 
-    def _flush(self) -> None:
-        if not self._pending_gaps:
-            return
-        gaps = np.asarray(self._pending_gaps, dtype=np.int64)
-        buckets = np.asarray(self._pending_buckets, dtype=np.int64)
-        bins = AGE_BIN[np.minimum(gaps, MAX_AGE)]
-        np.add.at(self.counts, (buckets, bins), 1.0)
-        np.add.at(self.gap_sums, (buckets, bins), gaps.astype(float))
-        self._pending_buckets.clear()
-        self._pending_gaps.clear()
+    def _residual(self, horizon: float) -> np.ndarray:
+        """Σ over passes k = 1..horizon after the next chance of P(still unused after k chances)."""
+        h, width, edges = self.hazard, self._width, AGE_EDGES.astype(float)
+        log_stay = np.log1p(-h)  # [B, A] per pass
+        start = np.concatenate([np.zeros((h.shape[0], 1)), np.cumsum(log_stay * width, axis=1)], axis=1)  # [B, A+1]
+        # from the lower edge of bin a to the start of bin j ≥ a
+        rel = start[:, None, :-1] - start[:, :-1, None]  # [B, a, j]
+        offset = edges[None, :] - edges[:, None]  # [a, j] passes from edge a to edge j
+        n = np.clip(np.minimum(width[None, :], horizon - offset), 0.0, None)  # passes of bin j within reach
+        # Σ_{m=1..n} (1-h)^m = (1-h) (1 - (1-h)^n) / h
+        within = (1.0 - h)[:, None, :] * -np.expm1(n[None] * log_stay[:, None, :]) / h[:, None, :]
+        later = np.triu(np.ones_like(offset))[None]  # j ≥ a
+        return (later * np.exp(np.minimum(rel, 0.0)) * within).sum(axis=2)  # [B, A]
 
 
 class SharePredictor:
@@ -129,16 +141,21 @@ class SharePredictor:
         self.prior = np.full(shape, 1.0 / eamc.num_experts, dtype=np.float32)  # [L, E]
         self.scores = np.zeros(len(self.PRIOR_WEIGHTS))  # decayed log-likelihood per weight
         self.weight = 16.0
+        self._top_k = 1
         self._checkpoint: tuple[np.ndarray, int, np.ndarray] | None = None
 
     def start(self, top_k: int) -> np.ndarray:
         """A new request: the prior is what an average past request looked like."""
-        if len(self.eamc):
-            self.prior = self.eamc.mean_decode_probability()
-        else:
-            self.prior = np.full_like(self.prior, top_k / self.eamc.num_experts)
+        self._top_k = top_k
+        self.prior = self._base()
         self._checkpoint = None
         return self.prior
+
+    def _base(self) -> np.ndarray:
+        """What an average past request looked like (a uniform router before any)."""  # [L, E]
+        if len(self.eamc) == 0:
+            return np.full_like(self.prior, self._top_k / self.eamc.num_experts)
+        return self.eamc.mean_decode_probability()
 
     def update(self, request: RequestEAM) -> np.ndarray:
         """The share at the start of a decode pass (re-matching on schedule)."""  # [L, E]
@@ -160,7 +177,7 @@ class SharePredictor:
         t = request.decode_tokens
         decode_weight = t / (t + self.rematch_every)  # the prompt first, then the request's own tokens
         idx, sims = self.eamc.match(request.prefill, request.decode, decode_weight, top=self.match_top)
-        self.prior = 0.8 * self.eamc.decode_probability(idx, sims) + 0.2 * self.eamc.mean_decode_probability()
+        self.prior = 0.8 * self.eamc.decode_probability(idx, sims) + 0.2 * self._base()
 
     def _score(self, request: RequestEAM) -> None:
         """Credit each prior weight with the log-likelihood of the tokens since the last checkpoint."""
@@ -192,7 +209,7 @@ class SparsityAwarePolicy(Policy):
         horizon_factor: float = 1.0,
         first_layer_bonus: float = 0.0,
         prefetch_horizon: int = 1,
-        prefetch_min_share: float = 0.3,
+        prefetch_min_share: float = 0.5,
         refresh_every: int = 64,
     ) -> None:
         super().__init__(num_layers, num_experts)
@@ -225,9 +242,11 @@ class SparsityAwarePolicy(Policy):
         self._ahead = np.zeros((L, E))  # [L, E] if its layer is still to run in this pass
         self._behind = np.zeros((L, E))  # [L, E] if its layer has run
         self._current = np.zeros((L, E))  # [L, E] rows ≤ current layer from behind, others ahead
+        self._masked = np.full((L, E), -np.inf)  # [L, E] _current where resident, else -inf
         self._values_pass = -1  # the pass those were computed for
         self._flipped = -1  # rows 0..flipped of _current hold behind values
         self._pending: list[tuple[int, int]] = []  # uses since, whose behind value is stale
+        self._lock = threading.RLock()  # the engine's prefetch thread calls victim/priority concurrently
 
     # -- EAMC access (the engine persists it) -------------------------------------------
     @property
@@ -242,64 +261,104 @@ class SparsityAwarePolicy(Policy):
 
     # -- hooks -------------------------------------------------------------------------
     def on_request_start(self, request_id: str) -> None:
-        self.request.reset()
-        self._buckets = buckets_of(self.predictor.start(self._top_k))
-        self._layer = self.num_layers
-        self._hint = None
+        with self._lock:
+            self.request.reset()
+            self._buckets = buckets_of(self.predictor.start(self._top_k))
+            self._layer = self.num_layers
+            self._hint = None
 
     def on_request_end(self, request_id: str) -> None:
-        self.predictor.end(self.request)
-        self.request.reset()
+        with self._lock:
+            self.predictor.end(self.request)
+            self.request.reset()
 
     def on_routing(self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str) -> None:
-        if layer <= self._layer or phase != self._phase:
-            self._new_pass(phase)
-        self._layer = layer
-        self._hint = None
-        self.request.add(layer, expert_ids, phase, tokens)
-        if phase == "decode" and len(expert_ids) > self._top_k:
-            self._top_k = len(expert_ids)
-        self._note_uses(layer, expert_ids)
+        with self._lock:
+            if layer <= self._layer or phase != self._phase:
+                self._new_pass(phase)
+            self._layer = layer
+            self._hint = None
+            self.request.add(layer, expert_ids, phase, tokens)
+            if phase == "decode" and len(expert_ids) > self._top_k:
+                self._top_k = len(expert_ids)
+            self._note_uses(layer, expert_ids)
 
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The engine's guess of `layer`'s experts (the next router applied early): prefetch them first."""
-        self._hint = (layer, list(expert_ids))
+        with self._lock:
+            self._hint = (layer, list(expert_ids))
 
     def on_insert(self, key: ExpertKey) -> None:
-        self._resident[key] = True
-        self._num_resident += 1
+        with self._lock:
+            self._resident[key] = True
+            self._masked[key] = self._current[key] if not self._hinted(key) else self._next_chance(key[0])
+            self._num_resident += 1
 
     def on_evict(self, key: ExpertKey) -> None:
-        self._resident[key] = False
-        self._num_resident -= 1
-        self._evictions += 1
+        with self._lock:
+            self._resident[key] = False
+            self._masked[key] = -np.inf
+            self._num_resident -= 1
+            self._evictions += 1
 
     def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
-        values = np.where(self._resident, self._values(), -np.inf)  # [L, E]
-        E = self.num_experts
-        if len(protected) > 4:  # a prefill step: mask them all at once
-            values.flat[[layer * E + e for layer, e in protected]] = -np.inf
-        while True:
-            flat = int(np.argmax(values))
+        with self._lock:
+            values = self._values()  # [L, E], -inf where not resident
+            E = self.num_experts
+            if len(protected) > 8:  # a prefill step: hide them all at once
+                return self._victim_hiding(values, protected)
+            hidden = []  # protected keys met on the way, hidden for this call only
+            try:
+                while True:
+                    flat = int(values.argmax())
+                    value = values.flat[flat]
+                    if value == -np.inf:
+                        raise LookupError("every resident expert is protected")
+                    key = divmod(flat, E)
+                    if key not in protected:
+                        return key
+                    hidden.append((flat, value))
+                    values.flat[flat] = -np.inf
+            finally:
+                for flat, value in hidden:
+                    values.flat[flat] = value
+
+    def _victim_hiding(self, values: np.ndarray, protected: set[ExpertKey]) -> ExpertKey:
+        hidden = [layer * self.num_experts + e for layer, e in protected]
+        saved = values.flat[hidden]
+        values.flat[hidden] = -np.inf
+        try:
+            flat = int(values.argmax())
             if values.flat[flat] == -np.inf:
                 raise LookupError("every resident expert is protected")
-            key = (flat // E, flat % E)
-            if key not in protected:
-                return key
-            values.flat[flat] = -np.inf
+            return divmod(flat, self.num_experts)
+        finally:
+            values.flat[hidden] = saved
 
     def prefetch_candidates(self, layer: int) -> list[ExpertKey]:
         """Non-resident experts of the next layer(s) likely to be used, most wanted first."""
-        scored = []
-        for target, weight in proximity_weights(layer, self.num_layers, self.prefetch_horizon):
-            chance = weight * self.use_chance(target)  # [E]
-            for e in np.flatnonzero((chance >= self.prefetch_min_share) & ~self._resident[target]).tolist():
-                scored.append((float(chance[e]), (target, e)))
-        scored.sort(reverse=True)
-        return [key for _, key in scored[: self._top_k * self.prefetch_horizon]]
+        with self._lock:
+            scored = []
+            for target, weight in proximity_weights(layer, self.num_layers, self.prefetch_horizon):
+                chance = weight * self.use_chance(target)  # [E]
+                for e in np.flatnonzero((chance >= self.prefetch_min_share) & ~self._resident[target]).tolist():
+                    scored.append((float(chance[e]), (target, e)))
+            scored.sort(reverse=True)
+            return [key for _, key in scored[: self._top_k * self.prefetch_horizon]]
 
     def prefetch_priority(self, key: ExpertKey) -> float:
-        return -float(self._values()[key])
+        with self._lock:
+            self._values()
+            if self._hinted(key):
+                return -self._next_chance(key[0])  # as if its use were certain
+            return -float(self._current[key])
+
+    def _hinted(self, key: ExpertKey) -> bool:
+        return self._hint is not None and self._hint[0] == key[0] and key[1] in self._hint[1]
+
+    def _next_chance(self, layer: int) -> float:
+        """Layer steps (plus the current layer) until `layer` runs next."""
+        return float(layer + self.num_layers * (layer <= self._layer) - self._bonus[layer, 0])
 
     # -- prediction --------------------------------------------------------------------
     def use_chance(self, layer: int) -> np.ndarray:
@@ -326,8 +385,14 @@ class SparsityAwarePolicy(Policy):
         self._phase = phase
         if phase == "decode":
             self._buckets = buckets_of(self.predictor.update(self.request))
+        self._expose()
         if self._pass % self.refresh_every == 0:
             self.reuse.refresh(self._horizon())
+
+    def _expose(self) -> None:
+        """Count this pass's exposure of every expert used before (the reuse model's denominator)."""
+        seen = self._last_use != NEVER
+        self.reuse.expose(self._last_bucket[seen], self._pass - self._last_use[seen])
 
     def _note_uses(self, layer: int, expert_ids: Sequence[int]) -> None:
         last, last_bucket, buckets, now = self._last_use[layer], self._last_bucket[layer], self._buckets[layer], self._pass
@@ -341,23 +406,29 @@ class SparsityAwarePolicy(Policy):
             self._pending.extend((layer, e) for e in expert_ids)
 
     def _values(self) -> np.ndarray:
-        """Expected distance of every expert's next use (plus the current layer), up to date."""  # [L, E]
+        """Expected distance of each resident expert's next use (plus the current layer), up to date."""  # [L, E]
         c = self._layer
+        if self._values_pass == self._pass and c <= self._flipped and not self._pending:
+            return self._masked  # the common case: nothing changed
         if self._values_pass != self._pass:
             self._compute_values()
         elif c > self._flipped:
-            self._current[self._flipped + 1 : c + 1] = self._behind[self._flipped + 1 : c + 1]
+            rows = slice(self._flipped + 1, c + 1)
+            self._current[rows] = self._behind[rows]
+            self._masked[rows] = np.where(self._resident[rows], self._behind[rows], -np.inf)
             self._flipped = c
         if self._pending:
             self._patch_used()
-        return self._current
+        return self._masked
 
     def _compute_values(self) -> None:
         L, c, table = self.num_layers, self._layer, self.reuse.table
         for behind, out in ((0, self._ahead), (1, self._behind)):
             age = np.minimum(self._pass + behind - self._last_use, MAX_AGE)  # [L, E] at the next chance
             out[:] = self._rows + L * behind + L * table[self._buckets, AGE_BIN[age]] - self._bonus
+            out += AGE_TIEBREAK * age  # within an age bin, the longer unused goes first (as in LRU)
         self._current = np.where(self._rows <= c, self._behind, self._ahead)
+        self._masked = np.where(self._resident, self._current, -np.inf)
         self._values_pass, self._flipped = self._pass, c
         self._pending.clear()
 
@@ -365,8 +436,10 @@ class SparsityAwarePolicy(Policy):
         """Experts used in this pass since the values were computed: next chance one pass on."""
         L, table, one = self.num_layers, self.reuse.table, AGE_BIN[1]
         for layer, e in self._pending:
-            value = layer + L + L * table[self._last_bucket[layer, e], one] - self._bonus[layer, 0]
+            value = layer + L + L * table[self._buckets[layer, e], one] - self._bonus[layer, 0] + AGE_TIEBREAK
             self._behind[layer, e] = self._current[layer, e] = value
+            if self._resident[layer, e]:
+                self._masked[layer, e] = value
         self._pending.clear()
 
 

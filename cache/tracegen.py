@@ -60,13 +60,13 @@ class ShapeParams:
 SHAPES: dict[str, ShapeParams] = {
     # 128 experts, top-1, 24 layers (the shape of the real traces the statistics come from)
     "many-small": ShapeParams(
-        24, 128, 1, base_zipf=0.77, group_sigma=1.16, request_sigma=0.39, sharpness=1.34,
-        sharpness_sigma=0.2, p_same=0.19, p_recent=0.074, layer_corr=0.5,
+        24, 128, 1, base_zipf=0.70, group_sigma=1.10, request_sigma=0.37, sharpness=1.49,
+        sharpness_sigma=0.2, p_same=0.196, p_recent=0.075, layer_corr=0.5,
     ),
     # 64 experts, top-6, 26 layers (DeepSeek-V2-Lite-like)
     "many-small-64": ShapeParams(
-        26, 64, 6, base_zipf=0.77, group_sigma=1.16, request_sigma=0.39, sharpness=1.34,
-        sharpness_sigma=0.2, p_same=0.19, p_recent=0.074, layer_corr=0.5,
+        26, 64, 6, base_zipf=0.70, group_sigma=1.10, request_sigma=0.37, sharpness=1.0,
+        sharpness_sigma=0.2, p_same=0.196, p_recent=0.075, layer_corr=0.5,
     ),
     # 8 experts, top-2, 32 layers (Mixtral-like)
     "few-large": ShapeParams(
