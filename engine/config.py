@@ -24,7 +24,7 @@ class EngineConfig:
     policy: str = "sparsity-aware"
     prefetch: bool = True
     eamc_path: str | None = None  # None: one file per model under the state folder
-    eamc_capacity: int = 1000
+    eamc_capacity: int = 256  # cache/eamc.py DEFAULT_CAPACITY: no gain beyond ~100 entries in replay
     record_trace: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
