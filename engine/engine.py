@@ -111,13 +111,12 @@ class Engine:
         normalised = [_normalise_message(m, i) for i, m in enumerate(messages)]
         if not normalised:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # the template's own checks, e.g. roles that must alternate
-            raise InvalidRequestError(
-                f"the chat template rejected the messages: {e}", param="messages"
-            ) from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self._tokenizer_lock:
+            try:
+                text = self.tokenizer.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # the template's own checks, e.g. roles that must alternate
+                raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def validate(self, request: GenerationRequest) -> None:
         prompt, params = request.prompt_token_ids, request.params
