@@ -2,6 +2,7 @@
 
     python -m bench.replay_sweep                      # the three synthetic shapes, 300 requests each
     python -m bench.replay_sweep --traces rec.jsonl   # add recorded traces (e.g. --record-trace output)
+    python -m bench.replay_sweep --oracle few-large:0.25,many-small:0.5   # ceiling of request-level prediction
 
 Writes, under --out (default bench/out/replay): the generated traces, one folder per trace
 with sweep.json / sweep.md / sweep.png (`python -m cache.replay --sweep`), and summary.md,
@@ -15,9 +16,12 @@ import json
 import time
 from pathlib import Path
 
-from cache.replay import REPLAY_POLICIES, sweep, sweep_table, write_sweep
+import numpy as np
+
+from cache.replay import REPLAY_POLICIES, gap_closed, replay, sweep, sweep_table, write_sweep
+from cache.sparsity_aware import SparsityAwarePolicy, buckets_of
 from cache.trace import load_trace, write_trace
-from cache.tracegen import SHAPES, generate, trace_stats
+from cache.tracegen import SHAPES, generate, generate_with_truth, trace_stats
 
 FRACS = (0.05, 0.10, 0.25, 0.50)
 EXTRA_FRACS = {"few-large": (0.22,)}  # Mixtral-8x7B on a 24 GB GPU holds ~56 of 256 experts
@@ -72,6 +76,48 @@ def _timings(data: dict) -> str:
     return ", ".join(f"{name} ≤ {sec:.0f}" for name, sec in worst.items())
 
 
+class OracleSharePolicy(SparsityAwarePolicy):
+    """sparsity-aware told each request's true expert distribution (only a generator knows it)."""
+
+    name = "oracle-share"
+
+    def __init__(self, num_layers: int, num_experts: int, truth: np.ndarray, top_k: int) -> None:
+        super().__init__(num_layers, num_experts)
+        self.truth = truth  # [R, L, E]
+        self.true_top_k = top_k
+        self._index = 0
+
+    def on_request_start(self, request_id: str) -> None:
+        super().on_request_start(request_id)
+        self._index = int(request_id.split("-")[1])  # generator ids: req-<index>-g<group>
+
+    def _new_pass(self, phase: str) -> None:
+        super()._new_pass(phase)
+        if phase == "decode":
+            self._buckets = buckets_of(self.truth[self._index] * self.true_top_k)
+
+
+def oracle(spec: str, requests: int, seed: int) -> str:
+    """How much of the LRU→Belady gap perfect request-level prediction would close."""
+    lines = ["| trace | cache | lru | sparsity-aware | oracle-share | belady | gap closed: ours / oracle |",
+             "|---|---|---|---|---|---|---|"]
+    for item in spec.split(","):
+        shape, frac = item.split(":")
+        header, reqs, truth = generate_with_truth(SHAPES[shape], requests, seed)
+        capacity = round(float(frac) * header.num_layers * header.num_experts)
+        oracle_policy = OracleSharePolicy(header.num_layers, header.num_experts, truth, header.top_k)
+        rate = {name: replay(header, reqs, name, capacity)["decode_miss_rate"]
+                for name in ("lru", "sparsity-aware", "belady")}
+        rate["oracle-share"] = replay(header, reqs, oracle_policy, capacity)["decode_miss_rate"]
+        ours = gap_closed(rate["lru"], rate["sparsity-aware"], rate["belady"])
+        best = gap_closed(rate["lru"], rate["oracle-share"], rate["belady"])
+        lines.append(f"| {shape} ({requests} req.) | {float(frac):.0%} | {rate['lru']:.1%} | "
+                     f"{rate['sparsity-aware']:.1%} | {rate['oracle-share']:.1%} | {rate['belady']:.1%} | "
+                     f"{ours:.0%} / {best:.0%} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="synthetic shapes to generate and sweep")
@@ -80,7 +126,11 @@ def main() -> None:
     parser.add_argument("--traces", nargs="*", default=[], help="more moe-trace/1 files to sweep")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="bench/out/replay")
+    parser.add_argument("--oracle", metavar="SHAPE:FRAC,...", help="only the oracle-share ceiling (100 requests)")
     args = parser.parse_args()
+    if args.oracle:
+        print(oracle(args.oracle, 100, args.seed))
+        return
     out = Path(args.out)
     todo = [(make_trace(s, args.requests, args.seed, out / "traces"), s) for s in args.shapes.split(",") if s]
     todo += [(Path(t), "") for t in args.traces]

@@ -41,6 +41,7 @@ AGE_EDGES = np.array(
 )  # lower edges of the age bins, in passes
 MAX_AGE = int(AGE_EDGES[-1])
 AGE_BIN = np.searchsorted(AGE_EDGES, np.arange(MAX_AGE + 1), side="right") - 1  # age → bin
+_AGE_BIN_LIST = AGE_BIN.tolist()  # the same, for fast scalar lookups
 AGE_TIEBREAK = 1e-3  # layer steps per pass of age: orders experts whose estimates tie
 BUCKETS_PER_OCTAVE = 2
 NUM_BUCKETS = 12 * BUCKETS_PER_OCTAVE  # prediction buckets: per-token use share, log-spaced
@@ -72,6 +73,8 @@ class ReuseModel:
     `table[b, a]`: expected passes after the next chance until the next use of an expert
     of bucket b that has been unused for `AGE_EDGES[a]` passes, truncated at `horizon`
     (reuses later than that are as good as none: the cache will have evicted it anyway).
+    The policy looks it up with each expert's current bucket, which carries the newest
+    prediction (measured: better than the bucket at last use).
     """
 
     def __init__(self, prior_weight: float = 4.0) -> None:
@@ -84,22 +87,28 @@ class ReuseModel:
         self._prior = np.minimum(share[:, None] + 1.0 / (AGE_EDGES[None, :] + 1.0), 0.9)  # [B, A]
         self._width = np.diff(np.append(AGE_EDGES, 1 << 30)).astype(float)  # [A] passes per bin
         self._pending: list[int] = []  # flat (bucket, gap bin) of reuses since the last refresh
+        self._pending_arrays: list[np.ndarray] = []  # the same, recorded in bulk
         self.hazard = self._prior.copy()  # [B, A] chance of use per pass
         self.table = np.empty(shape)  # [B, A] expected residual passes
         self.refresh()
 
     def record(self, bucket: int, gap: int) -> None:
-        self._pending.append(bucket * len(AGE_EDGES) + int(AGE_BIN[min(gap, MAX_AGE)]))
+        self._pending.append(bucket * len(AGE_EDGES) + _AGE_BIN_LIST[min(gap, MAX_AGE)])
 
-    def expose(self, buckets: np.ndarray, ages: np.ndarray, passes: float = 1.0) -> None:
+    def record_many(self, buckets: np.ndarray, gaps: np.ndarray) -> None:
+        self._pending_arrays.append(buckets * len(AGE_EDGES) + AGE_BIN[np.minimum(gaps, MAX_AGE)])
+
+    def expose(self, buckets: np.ndarray, ages: np.ndarray) -> None:
         """Experts at risk this pass: their buckets at last use and their ages (flat arrays)."""
         idx = buckets * len(AGE_EDGES) + AGE_BIN[np.minimum(ages, MAX_AGE)]
-        self.exposure += passes * np.bincount(idx, minlength=self.exposure.size).reshape(self.exposure.shape)
+        self.exposure += np.bincount(idx, minlength=self.exposure.size).reshape(self.exposure.shape)
 
     def refresh(self, horizon: float = float("inf")) -> None:
-        if self._pending:
-            self.events += np.bincount(self._pending, minlength=self.events.size).reshape(self.events.shape)
+        if self._pending or self._pending_arrays:
+            flat = np.concatenate([np.asarray(self._pending, dtype=np.int64), *self._pending_arrays])
+            self.events += np.bincount(flat, minlength=self.events.size).reshape(self.events.shape)
             self._pending.clear()
+            self._pending_arrays.clear()
         w = self.prior_weight
         seen = self.exposure + w
         hazard = np.where(seen > 0, (self.events + w * self._prior) / np.maximum(seen, 1e-12), self._prior)
@@ -245,7 +254,12 @@ class SparsityAwarePolicy(Policy):
         self._masked = np.full((L, E), -np.inf)  # [L, E] _current where resident, else -inf
         self._values_pass = -1  # the pass those were computed for
         self._flipped = -1  # rows 0..flipped of _current hold behind values
-        self._pending: list[tuple[int, int]] = []  # uses since, whose behind value is stale
+        # the running step's experts: protected while it runs, so hidden (-inf) in _masked, and
+        # their values (now one pass to wait) are brought up to date when the next step starts
+        self._step_keys: set[ExpertKey] = set()
+        self._step_flat = np.zeros(0, dtype=np.int64)
+        self._step_layer = 0
+        self._step_hidden = False
         self._lock = threading.RLock()  # the engine's prefetch thread calls victim/priority concurrently
 
     # -- EAMC access (the engine persists it) -------------------------------------------
@@ -281,7 +295,11 @@ class SparsityAwarePolicy(Policy):
             self.request.add(layer, expert_ids, phase, tokens)
             if phase == "decode" and len(expert_ids) > self._top_k:
                 self._top_k = len(expert_ids)
+            self._end_step()
             self._note_uses(layer, expert_ids)
+            self._step_keys = {(layer, e) for e in expert_ids}
+            self._step_flat = np.add(expert_ids, layer * self.num_experts)
+            self._step_layer = layer
 
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The engine's guess of `layer`'s experts (the next router applied early): prefetch them first."""
@@ -291,7 +309,10 @@ class SparsityAwarePolicy(Policy):
     def on_insert(self, key: ExpertKey) -> None:
         with self._lock:
             self._resident[key] = True
-            self._masked[key] = self._current[key] if not self._hinted(key) else self._next_chance(key[0])
+            if self._step_hidden and key in self._step_keys:
+                self._masked[key] = -np.inf
+            else:
+                self._masked[key] = self._current[key] if not self._hinted(key) else self._next_chance(key[0])
             self._num_resident += 1
 
     def on_evict(self, key: ExpertKey) -> None:
@@ -303,25 +324,14 @@ class SparsityAwarePolicy(Policy):
 
     def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
         with self._lock:
-            values = self._values()  # [L, E], -inf where not resident
-            E = self.num_experts
-            if len(protected) > 8:  # a prefill step: hide them all at once
+            values = self._values()  # [L, E], -inf where not resident or in the running step
+            if protected != self._step_keys:  # not the step's own acquire (a prefetch, a prefill turn)
+                self._end_step()
                 return self._victim_hiding(values, protected)
-            hidden = []  # protected keys met on the way, hidden for this call only
-            try:
-                while True:
-                    flat = int(values.argmax())
-                    value = values.flat[flat]
-                    if value == -np.inf:
-                        raise LookupError("every resident expert is protected")
-                    key = divmod(flat, E)
-                    if key not in protected:
-                        return key
-                    hidden.append((flat, value))
-                    values.flat[flat] = -np.inf
-            finally:
-                for flat, value in hidden:
-                    values.flat[flat] = value
+            flat = int(values.argmax())
+            if values.flat[flat] == -np.inf:
+                raise LookupError("every resident expert is protected")
+            return divmod(flat, self.num_experts)
 
     def _victim_hiding(self, values: np.ndarray, protected: set[ExpertKey]) -> ExpertKey:
         hidden = [layer * self.num_experts + e for layer, e in protected]
@@ -396,19 +406,26 @@ class SparsityAwarePolicy(Policy):
 
     def _note_uses(self, layer: int, expert_ids: Sequence[int]) -> None:
         last, last_bucket, buckets, now = self._last_use[layer], self._last_bucket[layer], self._buckets[layer], self._pass
+        if len(expert_ids) > 2:  # top-k models and prefill: in bulk
+            ids = np.asarray(expert_ids, dtype=np.int64)
+            previous = last.take(ids)
+            seen = previous != NEVER
+            self.reuse.record_many(last_bucket.take(ids[seen]), now - previous[seen])
+            last.put(ids, now)
+            last_bucket.put(ids, buckets.take(ids))
+            return
+        record = self.reuse.record
         for e in expert_ids:
             previous = int(last[e])
             if previous != NEVER:
-                self.reuse.record(int(last_bucket[e]), now - previous)
+                record(int(last_bucket[e]), now - previous)
             last[e] = now
             last_bucket[e] = buckets[e]
-        if self._values_pass == now:
-            self._pending.extend((layer, e) for e in expert_ids)
 
     def _values(self) -> np.ndarray:
         """Expected distance of each resident expert's next use (plus the current layer), up to date."""  # [L, E]
         c = self._layer
-        if self._values_pass == self._pass and c <= self._flipped and not self._pending:
+        if self._values_pass == self._pass and c <= self._flipped and self._step_hidden:
             return self._masked  # the common case: nothing changed
         if self._values_pass != self._pass:
             self._compute_values()
@@ -417,9 +434,21 @@ class SparsityAwarePolicy(Policy):
             self._current[rows] = self._behind[rows]
             self._masked[rows] = np.where(self._resident[rows], self._behind[rows], -np.inf)
             self._flipped = c
-        if self._pending:
-            self._patch_used()
+        self._masked.put(self._step_flat, -np.inf)
+        self._step_hidden = True
         return self._masked
+
+    def _end_step(self) -> None:
+        """The last step's experts were used: their next chance is one pass on; show them again."""
+        self._step_hidden = False
+        if self._values_pass != self._pass:
+            return  # the next full computation sees their new last use
+        flat, layer, L = self._step_flat, self._step_layer, self.num_layers
+        base = layer + L - self._bonus[layer, 0] + AGE_TIEBREAK
+        value = base + L * self.reuse.table[:, 0].take(self._buckets.take(flat))  # age 1 at the next chance
+        self._behind.put(flat, value)
+        self._current.put(flat, value)
+        self._masked.put(flat, np.where(self._resident.take(flat), value, -np.inf))
 
     def _compute_values(self) -> None:
         L, c, table = self.num_layers, self._layer, self.reuse.table
@@ -430,17 +459,6 @@ class SparsityAwarePolicy(Policy):
         self._current = np.where(self._rows <= c, self._behind, self._ahead)
         self._masked = np.where(self._resident, self._current, -np.inf)
         self._values_pass, self._flipped = self._pass, c
-        self._pending.clear()
-
-    def _patch_used(self) -> None:
-        """Experts used in this pass since the values were computed: next chance one pass on."""
-        L, table, one = self.num_layers, self.reuse.table, AGE_BIN[1]
-        for layer, e in self._pending:
-            value = layer + L + L * table[self._buckets[layer, e], one] - self._bonus[layer, 0] + AGE_TIEBREAK
-            self._behind[layer, e] = self._current[layer, e] = value
-            if self._resident[layer, e]:
-                self._masked[layer, e] = value
-        self._pending.clear()
 
 
 def _factory(num_layers: int, num_experts: int) -> SparsityAwarePolicy:

@@ -81,6 +81,12 @@ SHAPES: dict[str, ShapeParams] = {
 
 def generate(params: ShapeParams, num_requests: int, seed: int, model: str = "") -> tuple[TraceHeader, list]:
     """A reproducible synthetic trace: its header and requests."""
+    header, requests, _ = generate_with_truth(params, num_requests, seed, model)
+    return header, requests
+
+
+def generate_with_truth(params: ShapeParams, num_requests: int, seed: int, model: str = ""):
+    """`generate`, plus each request's true per-layer expert distribution `[R, L, E]` (for oracles)."""
     rng = np.random.default_rng(seed)
     L, E = params.num_layers, params.num_experts
     base = _zipf_layers(rng, L, E, params.base_zipf)  # [L, E]
@@ -95,7 +101,7 @@ def generate(params: ShapeParams, num_requests: int, seed: int, model: str = "")
         prompt = _prompt_tokens(rng, params, request_dist[r], base)
         requests.append(TraceRequest(f"req-{r:05d}-g{group_of[r]:02d}", prompt, decode[r]))
     header = TraceHeader(model or f"synthetic-{E}x{L}-top{params.top_k}", L, E, params.top_k)
-    return header, requests
+    return header, requests, request_dist
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
