@@ -257,8 +257,10 @@ class SparsityAwarePolicy(Policy):
         # the running step's experts: protected while it runs, so hidden (-inf) in _masked, and
         # their values (now one pass to wait) are brought up to date when the next step starts
         self._step_keys: set[ExpertKey] = set()
-        self._step_flat = np.zeros(0, dtype=np.int64)
+        self._step_ids: Sequence[int] = []
         self._step_layer = 0
+        self._age1: list[float] = []  # per bucket: L × residual at age 1 (kept as floats for scalar use)
+        self._refresh_reuse()
         self._step_hidden = False
         self._lock = threading.RLock()  # the engine's prefetch thread calls victim/priority concurrently
 
@@ -298,7 +300,7 @@ class SparsityAwarePolicy(Policy):
             self._end_step()
             self._note_uses(layer, expert_ids)
             self._step_keys = {(layer, e) for e in expert_ids}
-            self._step_flat = np.add(expert_ids, layer * self.num_experts)
+            self._step_ids = expert_ids
             self._step_layer = layer
 
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
@@ -397,7 +399,7 @@ class SparsityAwarePolicy(Policy):
             self._buckets = buckets_of(self.predictor.update(self.request))
         self._expose()
         if self._pass % self.refresh_every == 0:
-            self.reuse.refresh(self._horizon())
+            self._refresh_reuse()
 
     def _expose(self) -> None:
         """Count this pass's exposure of every expert used before (the reuse model's denominator)."""
@@ -434,7 +436,7 @@ class SparsityAwarePolicy(Policy):
             self._current[rows] = self._behind[rows]
             self._masked[rows] = np.where(self._resident[rows], self._behind[rows], -np.inf)
             self._flipped = c
-        self._masked.put(self._step_flat, -np.inf)
+        self._masked[self._step_layer, self._step_ids] = -np.inf
         self._step_hidden = True
         return self._masked
 
@@ -443,12 +445,19 @@ class SparsityAwarePolicy(Policy):
         self._step_hidden = False
         if self._values_pass != self._pass:
             return  # the next full computation sees their new last use
-        flat, layer, L = self._step_flat, self._step_layer, self.num_layers
-        base = layer + L - self._bonus[layer, 0] + AGE_TIEBREAK
-        value = base + L * self.reuse.table[:, 0].take(self._buckets.take(flat))  # age 1 at the next chance
-        self._behind.put(flat, value)
-        self._current.put(flat, value)
-        self._masked.put(flat, np.where(self._resident.take(flat), value, -np.inf))
+        layer, ids = self._step_layer, self._step_ids
+        base = layer + self.num_layers - self._bonus[layer, 0] + AGE_TIEBREAK
+        if len(ids) > 8:  # a prefill step: in bulk
+            value = base + np.take(self._age1, self._buckets[layer, ids])
+            self._behind[layer, ids] = self._current[layer, ids] = value
+            self._masked[layer, ids] = np.where(self._resident[layer, ids], value, -np.inf)
+            return
+        buckets, resident, age1 = self._buckets[layer], self._resident[layer], self._age1
+        behind, current, masked = self._behind[layer], self._current[layer], self._masked[layer]
+        for e in ids:
+            value = base + age1[buckets[e]]
+            behind[e] = current[e] = value
+            masked[e] = value if resident[e] else -np.inf
 
     def _compute_values(self) -> None:
         L, c, table = self.num_layers, self._layer, self.reuse.table
@@ -459,6 +468,10 @@ class SparsityAwarePolicy(Policy):
         self._current = np.where(self._rows <= c, self._behind, self._ahead)
         self._masked = np.where(self._resident, self._current, -np.inf)
         self._values_pass, self._flipped = self._pass, c
+
+    def _refresh_reuse(self) -> None:
+        self.reuse.refresh(self._horizon())
+        self._age1 = (self.num_layers * self.reuse.table[:, 0]).tolist()
 
 
 def _factory(num_layers: int, num_experts: int) -> SparsityAwarePolicy:
