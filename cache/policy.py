@@ -8,6 +8,7 @@ worth prefetching. The engine and the trace replay drive the *same* policy objec
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -31,6 +32,9 @@ class Policy:
 
     def on_routing(self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str) -> None:
         """A router at `layer` picked `expert_ids` (union over `tokens` tokens) in `phase`."""
+
+    def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """The engine's guess of `layer`'s experts (its router applied one layer early)."""
 
     def on_access(self, key: ExpertKey) -> None:
         pass
@@ -81,36 +85,55 @@ class LRUPolicy(Policy):
 
 
 class LFUPolicy(Policy):
-    """Evict the expert used least often since start (ties: least recently used)."""
+    """Evict the expert used least often since start (ties: least recently used).
+
+    A heap keyed by (uses, last touch) finds the victim in O(log n); entries made stale
+    by a later touch or an eviction are dropped when they reach the top.
+    """
 
     name = "lfu"
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
         super().__init__(num_layers, num_experts)
         self._counts: dict[ExpertKey, int] = {}
-        self._recency = LRUPolicy(num_layers, num_experts)
+        self._entry: dict[ExpertKey, tuple[int, int]] = {}  # resident key → its live (count, touch)
+        self._heap: list[tuple[int, int, ExpertKey]] = []
+        self._clock = 0
 
     def on_access(self, key: ExpertKey) -> None:
         self._counts[key] = self._counts.get(key, 0) + 1
-        self._recency.on_access(key)
+        self._touch(key)
 
     def on_insert(self, key: ExpertKey) -> None:
-        self._recency.on_insert(key)
+        self._touch(key)
 
     def on_evict(self, key: ExpertKey) -> None:
-        self._recency.on_evict(key)
+        self._entry.pop(key, None)
 
     def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
-        best, best_count = None, None
-        for key in self._recency._order:  # oldest first, so ties go to the least recent
-            if key in protected:
-                continue
-            count = self._counts.get(key, 0)
-            if best_count is None or count < best_count:
-                best, best_count = key, count
-        if best is None:
+        skipped = []
+        try:
+            while self._heap:
+                count, touch, key = self._heap[0]
+                if self._entry.get(key) != (count, touch):
+                    heapq.heappop(self._heap)  # stale
+                elif key in protected:
+                    skipped.append(heapq.heappop(self._heap))
+                else:
+                    return key
             raise LookupError("every resident expert is protected")
-        return best
+        finally:
+            for item in skipped:
+                heapq.heappush(self._heap, item)
+
+    def _touch(self, key: ExpertKey) -> None:
+        self._clock += 1
+        entry = (self._counts.get(key, 0), self._clock)
+        self._entry[key] = entry
+        heapq.heappush(self._heap, (*entry, key))
+        if len(self._heap) > 4 * len(self._entry) + 64:  # mostly stale: rebuild
+            self._heap = [(*entry, key) for key, entry in self._entry.items()]
+            heapq.heapify(self._heap)
 
 
 PolicyFactory = Callable[[int, int], Policy]

@@ -46,6 +46,7 @@ class Prefetcher:
         if phase == "decode" and layer + 1 < len(self.routers) and self.routers[layer + 1] is not None:
             guess = sorted(set(self.routers[layer + 1](hidden).flatten().tolist()))
             self._guess = (layer + 1, set(guess))
+            self.cache.policy.on_lookahead(layer + 1, guess)  # so the cache admits them
             keys += [(layer + 1, e) for e in guess]
         keys += [k for k in self.cache.policy.prefetch_candidates(layer) if k not in keys]
         self._submit(keys[: self.limit])

@@ -25,8 +25,21 @@ class InvalidRequestError(EngineError):
 
 
 class ContextLengthError(InvalidRequestError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="messages", code="context_length_exceeded")
+    """Prompt plus completion exceed the context; `prompt_param` names the prompt's field in the request."""
+
+    def __init__(self, limit: int, prompt_tokens: int, completion_tokens: int, prompt_param: str = "messages") -> None:
+        self.limit, self.prompt_tokens, self.completion_tokens = limit, prompt_tokens, completion_tokens
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {prompt_param}, "
+            f"{completion_tokens} in the completion). Please reduce the length of the {prompt_param} or completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+
+    def for_prompt(self, prompt_param: str) -> ContextLengthError:
+        """The same error, naming the request field that holds the prompt ("messages" or "prompt")."""
+        return ContextLengthError(self.limit, self.prompt_tokens, self.completion_tokens, prompt_param)
 
 
 class QueueFullError(EngineError):

@@ -131,11 +131,7 @@ class Engine:
             )
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(prompt)} in the messages, {wanted - len(prompt)} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
+            raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
 
     # -- generation --------------------------------------------------------------------
     def generate(

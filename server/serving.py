@@ -17,7 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
-from engine.api import EngineUnavailableError, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from engine.api import (
+    ContextLengthError,
+    EngineUnavailableError,
+    GenerationEvent,
+    GenerationRequest,
+    TokenLogprob,
+    Usage,
+)
 from server import protocol as p
 from server.errors import APIError, to_api_error
 from server.metrics import ABORTED, ERROR, OK, ServerMetrics
@@ -99,6 +106,7 @@ def usage_info(usage: Usage | None) -> p.UsageInfo:
 
 @dataclass
 class ChatFormat:
+    prompt_param = "messages"  # the request field that holds the prompt (not a dataclass field)
     model: str
     fingerprint: str
     want_logprobs: bool
@@ -136,6 +144,7 @@ class ChatFormat:
 
 @dataclass
 class CompletionFormat:
+    prompt_param = "prompt"
     model: str
     fingerprint: str
     want_logprobs: bool
@@ -200,7 +209,10 @@ class Serving:
     async def run(self, raw: Request, fmt: Format, request: GenerationRequest, stream: bool,
                   include_usage: bool = False) -> Response:
         timer = self.metrics.track()  # errors raised from here are counted by the error handlers
-        submission = await Submission.start(self.client, request)
+        try:
+            submission = await Submission.start(self.client, request)
+        except ContextLengthError as e:
+            raise e.for_prompt(fmt.prompt_param) from None
         if not stream:
             return await self._complete(raw, submission, fmt, timer)
         shutdown = anyio.Event()  # set by sse-starlette when the server stops: end streams cleanly

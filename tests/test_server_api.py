@@ -248,7 +248,7 @@ ERRORS = [
     ("context-overflow", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 100000}, 400,
      "context_length_exceeded", "messages"),
     ("prompt-overflow", "/v1/completions", {"prompt": [7] * 600, "max_tokens": 1}, 400, "context_length_exceeded",
-     "messages"),
+     "prompt"),
     ("batched-prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None, "prompt"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, None, "echo"),
 ]
