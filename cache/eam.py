@@ -40,9 +40,9 @@ class IterationEAM:
 class RequestEAM:
     """A request's accumulated activations, prefill and decode kept apart.
 
-    The engine reports each layer's routing as the set of experts a step used (the
-    union over its tokens), so the prefill part holds, per expert, the number of
-    prefill passes that used it; a decode pass has one token, so its counts are exact.
+    Counts are tokens: the engine reports, with each layer's set of experts, how many of
+    the step's tokens each one processed (a prompt's experts differ in weight even when
+    a long prompt touches them all).
     """
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
@@ -53,12 +53,16 @@ class RequestEAM:
         self.prefill_tokens = 0
         self.decode_tokens = 0  # decode passes (one generated token each)
 
-    def add(self, layer: int, expert_ids: Sequence[int], phase: str, tokens: int = 1) -> None:
-        """One layer's routing of one pass; a pass is counted when its first layer reports."""
-        target = self.decode if phase == "decode" else self.prefill
-        row = target[layer]
-        for e in expert_ids:
-            row[e] += 1.0
+    def add(
+        self, layer: int, expert_ids: Sequence[int], phase: str, tokens: int = 1, counts: Sequence[int] | None = None
+    ) -> None:
+        """One layer's routing of one pass (`counts[i]` tokens to `expert_ids[i]`; one each if None).
+
+        A pass is counted when its first layer reports.
+        """
+        row = (self.decode if phase == "decode" else self.prefill)[layer]
+        for i, e in enumerate(expert_ids):
+            row[e] += 1.0 if counts is None else float(counts[i])
         if layer == 0:
             if phase == "decode":
                 self.decode_tokens += tokens

@@ -30,8 +30,13 @@ class Policy:
     def on_request_end(self, request_id: str) -> None:
         pass
 
-    def on_routing(self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str) -> None:
-        """A router at `layer` picked `expert_ids` (union over `tokens` tokens) in `phase`."""
+    def on_routing(
+        self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str, counts: Sequence[int] | None = None
+    ) -> None:
+        """A router at `layer` picked `expert_ids` (union over `tokens` tokens) in `phase`.
+
+        `counts[i]`: how many of those tokens went to `expert_ids[i]` (None: one each).
+        """
 
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The engine's guess of `layer`'s experts (its router applied one layer early)."""

@@ -103,21 +103,27 @@ class BeladyPolicy(Policy):
 
 
 def iter_steps(header: TraceHeader, requests: Iterable[TraceRequest]) -> Iterator[tuple]:
-    """(START, id) · (STEP, phase, layer, sorted experts, tokens) per layer per step · (END, id)."""
+    """(START, id) · (STEP, phase, layer, sorted experts, tokens, counts) per layer per step · (END, id).
+
+    `counts`: tokens per expert of a prefill step; None for a decode step (one token each).
+    """
     for req in requests:
         yield START, req.id
         if len(req.prefill):
             for layer in range(header.num_layers):
-                yield STEP, "prefill", layer, _union(req.prefill[:, layer]), len(req.prefill)
+                experts, counts = _union(req.prefill[:, layer])
+                yield STEP, "prefill", layer, experts, len(req.prefill), counts
         for token in _decode_rows(req.decode):
             for layer, experts in enumerate(token):
-                yield STEP, "decode", layer, experts, 1
+                yield STEP, "decode", layer, experts, 1, None
         yield END, req.id
 
 
-def _union(ids: np.ndarray) -> list[int]:
-    unique = np.unique(ids)
-    return unique[unique >= 0].tolist()
+def _union(ids: np.ndarray) -> tuple[list[int], list[int]]:
+    """The sorted experts of a prefill step's `[T, k]` ids (padding dropped) and their token counts."""
+    unique, counts = np.unique(ids, return_counts=True)
+    keep = unique >= 0
+    return unique[keep].tolist(), counts[keep].tolist()
 
 
 def _decode_rows(decode: np.ndarray) -> list:
@@ -180,9 +186,9 @@ def _drive(cache: ExpertCache, policy: Policy, steps, capacity: int, stats: dict
     acquire, release, on_routing = cache.acquire, cache.release, policy.on_routing
     for event in steps:
         if event[0] is STEP:
-            _, phase, layer, experts, tokens = event
+            _, phase, layer, experts, tokens, counts = event
             cache.stats = stats[phase]
-            on_routing(layer, experts, tokens, phase)
+            on_routing(layer, experts, tokens, phase, counts)
             for turn in chunks(experts, capacity):
                 acquire(layer, turn)
                 release(layer, turn)

@@ -7,6 +7,7 @@ current step (prefill or decode).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -50,8 +51,9 @@ class ExpertRuntime:
     def on_routing(self, layer: int, top_k_index: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Record one router decision (`top_k_index` [T, k]); return the sorted experts needed."""
         index_rows = top_k_index.tolist()  # one device sync per layer: the loads depend on it
-        needed = sorted({e for row in index_rows for e in row})
-        self.policy.on_routing(layer, needed, len(index_rows), self.phase)
+        counts = Counter(e for row in index_rows for e in row)
+        needed = sorted(counts)
+        self.policy.on_routing(layer, needed, len(index_rows), self.phase, [counts[e] for e in needed])
         if self.recorder is not None:
             self.recorder.record(self.phase, layer, index_rows)
         if self.prefetcher is not None:

@@ -288,13 +288,15 @@ class SparsityAwarePolicy(Policy):
             self.predictor.end(self.request)
             self.request.reset()
 
-    def on_routing(self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str) -> None:
+    def on_routing(
+        self, layer: int, expert_ids: Sequence[int], tokens: int, phase: str, counts: Sequence[int] | None = None
+    ) -> None:
         with self._lock:
             if layer <= self._layer or phase != self._phase:
                 self._new_pass(phase)
             self._layer = layer
             self._hint = None
-            self.request.add(layer, expert_ids, phase, tokens)
+            self.request.add(layer, expert_ids, phase, tokens, counts)
             if phase == "decode" and len(expert_ids) > self._top_k:
                 self._top_k = len(expert_ids)
             self._end_step()
