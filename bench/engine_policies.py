@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 from bench.prompts import prompts
@@ -50,8 +51,14 @@ def compare(args: argparse.Namespace) -> dict:
     probe = Engine.load(EngineConfig(model=args.model, policy="lru", prefetch=False))
     capacity = max(1, int(probe.runtime.num_layers * probe.runtime.num_experts * args.cache_frac))
     probe.close()
+    state = Path(tempfile.mkdtemp(prefix="moe-serve-bench-"))  # every variant starts cold, with its own EAMC
     engines = {
-        name: Engine.load(EngineConfig(model=args.model, policy=p, prefetch=f, expert_cache_experts=capacity))
+        name: Engine.load(
+            EngineConfig(
+                model=args.model, policy=p, prefetch=f, expert_cache_experts=capacity,
+                eamc_path=str(state / f"{name}.eamc"),
+            )
+        )
         for name, (p, f) in variants.items()
     }
     tpot: dict[str, list[float]] = {name: [] for name in engines}

@@ -232,7 +232,9 @@ class Engine:
             "prefetch_accuracy": totals["prefetch_used"] / totals["prefetches"]
             if totals["prefetches"]
             else None,
+            "lookahead_accuracy": self.runtime.prefetcher.lookahead_accuracy if self.runtime.prefetcher else None,
             "eamc_entries": _eamc_size(self.runtime.policy),
+            "eamc_path": str(self._eamc_saver.path) if self._eamc_saver else None,
             "layers": [
                 {
                     "layer": layer,

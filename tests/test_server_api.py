@@ -405,6 +405,8 @@ def test_expert_cache_view(http, client):
                 "layers"):
         assert key in view
     assert 0 <= view["hit_rate"] <= 1
+    assert view["prefetch"] is True and 0 <= view["lookahead_accuracy"] <= 1  # decode steps ran: guesses scored
+    assert view["eamc_path"].endswith("eamc.json")  # the fixture's --eamc-path
     assert len(view["layers"]) == view["num_moe_layers"] == 3  # the fixture's 3 MoE layers
     resident = sum(len(layer["resident_experts"]) for layer in view["layers"])
     assert 0 < resident <= view["capacity_experts"] < view["total_experts"]
