@@ -9,7 +9,8 @@ uses `SlotBackend` (real tensors, async copies on CUDA); the trace replay uses
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -25,6 +26,13 @@ class DryRunBackend:
         self.bytes_per_expert = bytes_per_expert
 
     def load(self, key: ExpertKey, slot: int) -> None:
+        pass
+
+    @contextmanager
+    def staged(self, key: ExpertKey) -> Iterator[None]:
+        yield None
+
+    def fill(self, slot: int, src: None) -> None:
         pass
 
     def view(self, slot: int) -> None:
@@ -56,7 +64,14 @@ class SlotBackend:
         self._released: dict[int, torch.cuda.Event] = {}  # slot → last compute on it done
 
     def load(self, key: ExpertKey, slot: int) -> None:
-        src = self.host.get(key)
+        self.fill(slot, self.host.get(key))
+
+    def staged(self, key: ExpertKey) -> AbstractContextManager[torch.Tensor]:
+        """The expert's host buffer, read now (maybe from disk) and kept until the block ends."""
+        return self.host.hold(key)
+
+    def fill(self, slot: int, src: torch.Tensor) -> None:
+        """Copy a host buffer into a slot (on CUDA: queued on the side stream)."""
         if not self.cuda:
             self.slots[slot].copy_(src)
             return
@@ -138,20 +153,31 @@ class ExpertCache:
 
     # -- prefetch path -----------------------------------------------------------------
     def prefetch(self, key: ExpertKey) -> bool:
-        """Load `key` ahead of need if that displaces nothing the policy values more."""
+        """Load `key` ahead of need if that displaces nothing the policy values more.
+
+        The host read (from disk when the RAM tier does not hold it) runs outside the
+        cache lock: a step whose experts are resident never waits for it (a demand read
+        from disk may wait for the one read in progress).
+        """
         with self._lock:
-            if key in self._slot_of:
+            if not self._admits(key):
                 return False
-            if not self._free:
-                victim = self._victim()
-                if victim is None or self.policy.prefetch_priority(victim) >= self.policy.prefetch_priority(
-                    key
-                ):
+        with self.backend.staged(key) as src:
+            with self._lock:
+                if not self._admits(key):  # the engine moved on while we read
                     return False
-            self._load(key)
-            self._prefetched_unused.add(key)
-            self.stats.add("prefetches", key[0])
+                self._insert(key, self._take_slot(), src)
+                self._prefetched_unused.add(key)
+                self.stats.add("prefetches", key[0])
+                return True
+
+    def _admits(self, key: ExpertKey) -> bool:
+        if key in self._slot_of:
+            return False
+        if self._free:
             return True
+        victim = self._victim()
+        return victim is not None and self.policy.prefetch_priority(victim) < self.policy.prefetch_priority(key)
 
     # -- inspection --------------------------------------------------------------------
     def is_resident(self, key: ExpertKey) -> bool:
@@ -169,18 +195,29 @@ class ExpertCache:
             return None
 
     def _load(self, key: ExpertKey) -> int:
-        if self._free:
-            slot = self._free.pop()
-        else:
-            victim = self._victim()
-            if victim is None:
-                raise RuntimeError("expert cache full of protected experts")
-            slot = self._slot_of.pop(victim)
-            self._prefetched_unused.discard(victim)
-            self.policy.on_evict(victim)
-            self.stats.add("evictions", victim[0])
+        slot = self._take_slot()
         self.backend.load(key, slot)
+        self._register(key, slot)
+        return slot
+
+    def _insert(self, key: ExpertKey, slot: int, src) -> None:
+        self.backend.fill(slot, src)
+        self._register(key, slot)
+
+    def _take_slot(self) -> int:
+        """A free slot, else the policy's victim's."""
+        if self._free:
+            return self._free.pop()
+        victim = self._victim()
+        if victim is None:
+            raise RuntimeError("expert cache full of protected experts")
+        slot = self._slot_of.pop(victim)
+        self._prefetched_unused.discard(victim)
+        self.policy.on_evict(victim)
+        self.stats.add("evictions", victim[0])
+        return slot
+
+    def _register(self, key: ExpertKey, slot: int) -> None:
         self._slot_of[key] = slot
         self.policy.on_insert(key)
         self.stats.add("bytes_transferred", key[0], self.backend.bytes_per_expert)
-        return slot

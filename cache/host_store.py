@@ -12,6 +12,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +81,8 @@ class HostStore:
         self.disk_reads = 0
         self._resident: OrderedDict[ExpertKey, torch.Tensor] = OrderedDict()  # least recent first
         self._in_flight: dict[int, object] = {}  # id(buffer) → event of the last copy out of it
-        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}  # id(buffer) → holders (see `hold`)
+        self._lock = threading.RLock()
 
     @property
     def fully_resident(self) -> bool:
@@ -99,7 +102,25 @@ class HostStore:
             buffer = self._free_buffer()
             self._read(key, buffer)
             self._resident[key] = buffer
+            self._trim()
             return buffer
+
+    @contextmanager
+    def hold(self, key: ExpertKey) -> Iterator[torch.Tensor]:
+        """`get(key)`, with the buffer kept out of recycling until the block ends.
+
+        For a reader that copies out of it later, outside any lock of its caller.
+        """
+        with self._lock:
+            buffer = self.get(key)
+            self._held[id(buffer)] = self._held.get(id(buffer), 0) + 1
+        try:
+            yield buffer
+        finally:
+            with self._lock:
+                left = self._held.pop(id(buffer)) - 1
+                if left:
+                    self._held[id(buffer)] = left
 
     def record_copy(self, buffer: torch.Tensor, event: object) -> None:
         """A device copy out of `buffer` is in flight until `event` completes."""
@@ -108,9 +129,25 @@ class HostStore:
                 self._in_flight[id(buffer)] = event
 
     def _free_buffer(self) -> torch.Tensor:
-        if len(self._resident) < self.capacity:
+        """A buffer to read into: a new one under the budget, else the least recent one not held.
+
+        When every buffer is held (a prefetch holds the only one of a budget of one), a new
+        one exceeds the budget until `_trim` can drop a buffer again.
+        """
+        victim = self._recyclable()
+        if len(self._resident) < self.capacity or victim is None:
             return torch.empty(self.shape.numel, dtype=self.dtype, pin_memory=self.pin_memory)
-        _, buffer = self._resident.popitem(last=False)
+        return self._take(victim)
+
+    def _trim(self) -> None:
+        while len(self._resident) > self.capacity and (victim := self._recyclable()) is not None:
+            self._take(victim)
+
+    def _recyclable(self) -> ExpertKey | None:
+        return next((key for key, buf in self._resident.items() if id(buf) not in self._held), None)
+
+    def _take(self, key: ExpertKey) -> torch.Tensor:
+        buffer = self._resident.pop(key)
         event = self._in_flight.pop(id(buffer), None)
         if event is not None:
             event.synchronize()  # never overwrite a buffer a copy is still reading

@@ -85,7 +85,8 @@ class Engine:
         runtime, config = self.runtime, self.config
         if config.prefetch:
             routers = [_top_k_of(self.model.model.layers[i].mlp.gate) for i in self.loaded.moe_layers]
-            background = self.device.type != "cuda"  # CUDA copies are already async on a side stream
+            # CUDA copies are already async on a side stream; disk reads of a bounded RAM tier are not
+            background = self.device.type != "cuda" or not self.loaded.host.fully_resident
             runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit=2 * runtime.top_k)
         if hasattr(runtime.policy, "eamc"):
             self._eamc_saver = _eamc_saver(self, runtime.policy)

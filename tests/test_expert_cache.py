@@ -1,6 +1,9 @@
 """Residency, protection, eviction order and counters of the device expert cache, and the
 host store reading experts from safetensors by header offsets."""
 
+import threading
+from contextlib import contextmanager
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -126,6 +129,46 @@ def test_slot_backend_copies_host_buffers_into_slots(tmp_path):
     views = cache.acquire(0, [2, 3])
     assert torch.equal(views[0], store.get((0, 2)))
     assert torch.equal(views[1], store.get((0, 3)))
+
+
+def test_a_held_host_buffer_is_not_recycled_until_released(tmp_path):
+    write_experts(tmp_path / "m.safetensors")
+    store = HostStore(sources_for(tmp_path, 4, False), ExpertShape(6, 5), torch.float32, capacity=1)
+    with store.hold((0, 1)) as held:
+        expected = held.clone()
+        other = store.get((0, 2))  # the budget of one is taken by the held buffer: a second one
+        assert other.data_ptr() != held.data_ptr()
+        assert torch.equal(held, expected)
+    store.get((0, 3))  # back within the budget once nothing is held
+    assert len(store._resident) == 1
+
+
+class BlockingStage(DryRunBackend):
+    """A host read that takes until the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__(bytes_per_expert=10)
+        self.reading, self.finish = threading.Event(), threading.Event()
+
+    @contextmanager
+    def staged(self, key):
+        self.reading.set()
+        assert self.finish.wait(timeout=10)
+        yield None
+
+
+def test_a_prefetch_reads_from_the_host_without_holding_up_the_engine():
+    backend = BlockingStage()
+    cache = ExpertCache(3, LRUPolicy(2, 8), CacheStats(2), backend)
+    use(cache, 0, [1])
+    prefetch = threading.Thread(target=cache.prefetch, args=((1, 5),))
+    prefetch.start()
+    assert backend.reading.wait(timeout=10)
+    use(cache, 0, [1])  # the prefetch is mid-read: a step on resident experts goes ahead
+    use(cache, 1, [2])  # and so does a demand load
+    backend.finish.set()
+    prefetch.join(timeout=10)
+    assert cache.is_resident((1, 5)) and cache.stats.totals()["prefetches"] == 1
 
 
 def test_truncated_and_garbage_safetensors_are_refused(tmp_path):
