@@ -32,7 +32,7 @@ class DryRunBackend:
     def staged(self, key: ExpertKey) -> Iterator[None]:
         yield None
 
-    def fill(self, slot: int, src: None) -> None:
+    def fill(self, slot: int, src: None, prefetch: bool = False) -> None:
         pass
 
     def view(self, slot: int) -> None:
@@ -50,7 +50,9 @@ class SlotBackend:
 
     On CUDA a copy runs on a side stream and records an event; compute waits only for
     the slot it is about to read, and a slot is refilled only after the compute that
-    last read it has finished.
+    last read it (and any earlier copy into it) has finished. Demand loads and prefetches
+    use separate streams, the demand one at high priority, so that a demand load never
+    queues behind prefetches issued before it.
     """
 
     def __init__(self, host: HostStore, num_slots: int, device: torch.device) -> None:
@@ -59,7 +61,9 @@ class SlotBackend:
         self.bytes_per_expert = host.bytes_per_expert
         self.slots = torch.empty(num_slots, host.shape.numel, dtype=host.dtype, device=device)  # [S, 3*I*H]
         self.cuda = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:
+            self._demand_stream = torch.cuda.Stream(device, priority=-1)
+            self._prefetch_stream = torch.cuda.Stream(device)
         self._loaded: dict[int, torch.cuda.Event] = {}  # slot → copy done
         self._released: dict[int, torch.cuda.Event] = {}  # slot → last compute on it done
 
@@ -70,18 +74,19 @@ class SlotBackend:
         """The expert's host buffer, read now (maybe from disk) and kept until the block ends."""
         return self.host.hold(key)
 
-    def fill(self, slot: int, src: torch.Tensor) -> None:
-        """Copy a host buffer into a slot (on CUDA: queued on the side stream)."""
+    def fill(self, slot: int, src: torch.Tensor, prefetch: bool = False) -> None:
+        """Copy a host buffer into a slot (on CUDA: queued on a side stream)."""
         if not self.cuda:
             self.slots[slot].copy_(src)
             return
-        with torch.cuda.stream(self._copy_stream):
-            released = self._released.pop(slot, None)
-            if released is not None:
-                self._copy_stream.wait_event(released)
+        stream = self._prefetch_stream if prefetch else self._demand_stream
+        with torch.cuda.stream(stream):
+            for before in (self._released.pop(slot, None), self._loaded.get(slot)):
+                if before is not None:
+                    stream.wait_event(before)
             self.slots[slot].copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self._copy_stream)
+            done.record(stream)
         self._loaded[slot] = done
         self.host.record_copy(src, done)
 
@@ -201,7 +206,7 @@ class ExpertCache:
         return slot
 
     def _insert(self, key: ExpertKey, slot: int, src) -> None:
-        self.backend.fill(slot, src)
+        self.backend.fill(slot, src, prefetch=True)
         self._register(key, slot)
 
     def _take_slot(self) -> int:
