@@ -23,6 +23,7 @@ class Policy:
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self.num_layers = num_layers
         self.num_experts = num_experts
+        self._lookahead: tuple[int, frozenset[int]] = (-1, frozenset())
 
     def on_request_start(self, request_id: str) -> None:
         pass
@@ -40,6 +41,7 @@ class Policy:
 
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The engine's guess of `layer`'s experts (its router applied one layer early)."""
+        self._lookahead = (layer, frozenset(expert_ids))
 
     def on_access(self, key: ExpertKey) -> None:
         pass
@@ -59,8 +61,13 @@ class Policy:
         return []
 
     def prefetch_priority(self, key: ExpertKey) -> float:
-        """How much the policy wants `key` now (higher keeps it); used to bound prefetch."""
-        return 0.0
+        """How much the policy wants `key` now (higher keeps it); used to bound prefetch.
+
+        By default all are alike, except the engine's latest look-ahead guess: about to be
+        used, it may displace the policy's victim.
+        """
+        layer, guess = self._lookahead
+        return 1.0 if key[0] == layer and key[1] in guess else 0.0
 
 
 class LRUPolicy(Policy):

@@ -67,6 +67,16 @@ def test_a_prefetch_never_displaces_an_expert_the_policy_values_as_much():
     assert cache.resident() == [(0, 1), (0, 2)]
 
 
+def test_the_engines_lookahead_guess_displaces_the_lru_victim():
+    cache = dry_cache(2)
+    use(cache, 0, [1])
+    use(cache, 0, [2])
+    cache.policy.on_lookahead(1, [4])
+    assert cache.prefetch((1, 5)) is False  # not guessed: LRU keeps what it has
+    assert cache.prefetch((1, 4)) is True  # guessed: it displaces the least recently used
+    assert cache.resident() == [(0, 2), (1, 4)]
+
+
 def test_a_used_prefetch_counts_as_hit_and_as_prefetch_used():
     cache = dry_cache(4)
     assert cache.prefetch((0, 7)) is True
