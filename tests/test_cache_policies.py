@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,8 +15,10 @@ from cache.policy import POLICIES, make_policy
 from cache.replay import replay
 from cache.sparsity_aware import ReuseModel, SparsityAwarePolicy, buckets_of, proximity_weights
 from cache.stats import CacheStats
-from cache.trace import TraceHeader, TraceRequest
+from cache.trace import TraceHeader, TraceRequest, load_trace
 from cache.tracegen import SHAPES, generate
+
+DEMO_TRACE = Path(__file__).parents[1] / "bench" / "traces" / "demo-smollm2-moe.trace.jsonl"  # recorded
 
 
 def make_cache(policy, capacity: int) -> ExpertCache:
@@ -166,7 +170,7 @@ def test_prefetch_through_the_cache_displaces_only_later_needs():
 
 @pytest.mark.parametrize(
     "shape, fracs",
-    [("many-small", (0.05, 0.25)), ("few-large", (0.1, 0.22, 0.5))],
+    [("many-small", (0.05, 0.25)), ("many-small-64", (0.1,)), ("few-large", (0.1, 0.22, 0.5))],
 )
 def test_sparsity_aware_never_worse_than_lru_on_synthetic_traces(shape, fracs):
     header, requests = generate(SHAPES[shape], 40, seed=7)
@@ -176,6 +180,17 @@ def test_sparsity_aware_never_worse_than_lru_on_synthetic_traces(shape, fracs):
         lru = replay(header, requests, "lru", capacity)
         ours = replay(header, requests, "sparsity-aware", capacity)
         assert ours["decode_misses"] <= lru["decode_misses"], (shape, frac)
+
+
+def test_sparsity_aware_never_worse_than_lru_on_the_recorded_demo_trace():
+    header, requests = load_trace(DEMO_TRACE)
+    requests = list(requests)[:60]
+    total = header.num_layers * header.num_experts
+    for frac in (0.05, 0.25, 0.5):
+        capacity = round(frac * total)
+        lru = replay(header, requests, "lru", capacity)
+        ours = replay(header, requests, "sparsity-aware", capacity)
+        assert ours["decode_misses"] <= lru["decode_misses"], frac
 
 
 def test_restart_with_a_saved_eamc_starts_warm(tmp_path):
