@@ -6,7 +6,7 @@
 
 Writes, under --out (default bench/out/replay): the generated traces, one folder per trace
 with sweep.json / sweep.md / sweep.png (`python -m cache.replay --sweep`), and summary.md,
-the tables that go into bench/RESULTS_cache.md.
+the tables that go into bench/RESULTS.md.
 """
 
 from __future__ import annotations
