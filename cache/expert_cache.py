@@ -161,8 +161,9 @@ class ExpertCache:
         """Load `key` ahead of need if that displaces nothing the policy values more.
 
         The host read (from disk when the RAM tier does not hold it) runs outside the
-        cache lock: a step whose experts are resident never waits for it (a demand read
-        from disk may wait for the one read in progress).
+        cache lock: a step whose experts are resident never waits for it, only for the
+        copy into the slot on CPU (on CUDA that is queued, not waited for); a demand read
+        from disk may wait for the one host read in progress.
         """
         with self._lock:
             if not self._admits(key):
