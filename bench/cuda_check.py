@@ -6,7 +6,8 @@
 2. copies on a side stream: a slot load returns before its copy finishes and compute
    waits on the copy's event, not on the whole device;
 3. equivalence on `cuda`: greedy tokens of the offloaded engine equal transformers' on
-   the same device for every family, with a tiny and a full cache;
+   the same device for every family, with a one-slot cache, a full one, and a small one
+   whose prefetches read a bounded RAM tier from disk on the background thread;
 4. TPOT: `bench.engine_bench tpot --device cuda`.
 Prints one JSON object (also written to --out).
 """
@@ -27,6 +28,12 @@ from engine.engine import Engine
 from tests.fixtures.models import FAMILIES, build_checkpoint, load_reference
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
+CACHE_VARIANTS = {  # the device cache paths: one slot, all resident, and prefetch in the background
+    "1-slot-lru": {"policy": "lru", "expert_cache_experts": 1},
+    "all-resident": {"policy": "lru", "expert_cache_experts": 1000},
+    # a RAM tier of one expert: prefetches read disk on their thread and copy on the prefetch stream
+    "3-slots-sparsity-aware-disk": {"policy": "sparsity-aware", "expert_cache_experts": 3, "host_cache_gb": 1e-6},
+}
 
 
 def check_pinned_and_streams(folder: Path) -> dict:
@@ -49,17 +56,19 @@ def check_equivalence(tmp: Path) -> dict:
     for family in FAMILIES:
         folder = build_checkpoint(family, tmp / family)
         reference = load_reference(folder).to("cuda")
-        for slots in (1, 1000):
-            engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
-                                              expert_cache_experts=slots))  # fmt: skip
+        for name, variant in CACHE_VARIANTS.items():
+            engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", **variant))
             ids = engine.encode(PROMPT)
             params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
             ours = [t for e in engine.generate(GenerationRequest("c", ids, params)) for t in e.token_ids]
+            counters = engine.cache_counters()
+            engine.close()
             with torch.no_grad():
                 x = torch.tensor([ids], device="cuda")
                 out = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
                                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-            results[f"{family}/{slots}"] = ours == out[0, len(ids) :].tolist()
+            results[f"{family}/{name}"] = {"same_tokens": ours == out[0, len(ids) :].tolist(),
+                                           "prefetches": counters["prefetches"]}  # fmt: skip
     return results
 
 

@@ -108,10 +108,12 @@ def test_abort_stops_within_one_step(engine):
     assert sum(len(e.token_ids) for e in events) == 3
 
 
-def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_tokens(folder, engine):
+@pytest.mark.parametrize("policy", ["lru", "sparsity-aware"])  # prefetch on: its thread reads disk too
+def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_tokens(folder, engine, policy, tmp_path):
     small = Engine.load(
         EngineConfig(
-            model=str(folder), device="cpu", policy="lru", expert_cache_experts=2, host_cache_gb=3 * 1e-6
+            model=str(folder), device="cpu", policy=policy, expert_cache_experts=3, host_cache_gb=3 * 1e-6,
+            eamc_path=str(tmp_path / "eamc"),
         )
     )
     assert small.loaded.host.capacity < 16
@@ -125,3 +127,4 @@ def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_to
 
     assert tokens(small) == tokens(engine)
     assert small.loaded.host.disk_reads > reads_before
+    small.close()
