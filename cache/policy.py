@@ -16,7 +16,8 @@ ExpertKey = tuple[int, int]  # (MoE layer index 0..L-1, expert id)
 
 
 class Policy:
-    """Base class: the hooks a policy may use; all default to doing nothing."""
+    """Base class: the hooks a policy may use; they do nothing by default, except that the
+    engine's latest look-ahead guess is kept for `prefetch_priority`."""
 
     name = "base"
 
