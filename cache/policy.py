@@ -124,20 +124,7 @@ class LFUPolicy(Policy):
         self._entry.pop(key, None)
 
     def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
-        skipped = []
-        try:
-            while self._heap:
-                count, touch, key = self._heap[0]
-                if self._entry.get(key) != (count, touch):
-                    heapq.heappop(self._heap)  # stale
-                elif key in protected:
-                    skipped.append(heapq.heappop(self._heap))
-                else:
-                    return key
-            raise LookupError("every resident expert is protected")
-        finally:
-            for item in skipped:
-                heapq.heappush(self._heap, item)
+        return first_unprotected(self._heap, lambda e: self._entry.get(e[2]) == e[:2], protected)
 
     def _touch(self, key: ExpertKey) -> None:
         self._clock += 1
@@ -147,6 +134,27 @@ class LFUPolicy(Policy):
         if len(self._heap) > 4 * len(self._entry) + 64:  # mostly stale: rebuild
             self._heap = [(*entry, key) for key, entry in self._entry.items()]
             heapq.heapify(self._heap)
+
+
+def first_unprotected(heap: list[tuple], is_live: Callable[[tuple], bool], protected: set[ExpertKey]) -> ExpertKey:
+    """The key of the smallest live entry of a lazily pruned heap of `(..., key)` entries.
+
+    Stale entries (`is_live` false) are dropped; protected ones are kept for later.
+    """
+    skipped = []
+    try:
+        while heap:
+            entry = heap[0]
+            if not is_live(entry):
+                heapq.heappop(heap)
+            elif entry[-1] in protected:
+                skipped.append(heapq.heappop(heap))
+            else:
+                return entry[-1]
+        raise LookupError("every resident expert is protected")
+    finally:
+        for entry in skipped:
+            heapq.heappush(heap, entry)
 
 
 PolicyFactory = Callable[[int, int], Policy]

@@ -28,7 +28,7 @@ import numpy as np
 
 import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
 from cache.expert_cache import DryRunBackend, ExpertCache
-from cache.policy import POLICIES, ExpertKey, Policy, make_policy
+from cache.policy import POLICIES, ExpertKey, Policy, first_unprotected, make_policy
 from cache.stats import CacheStats
 from cache.trace import TraceHeader, TraceRequest, load_trace, read_trace
 
@@ -84,19 +84,8 @@ class BeladyPolicy(Policy):
         self._next_of.pop(key, None)
 
     def victim(self, resident: Iterable[ExpertKey], protected: set[ExpertKey]) -> ExpertKey:
-        held = []
-        try:
-            while self._heap:
-                neg, key = heapq.heappop(self._heap)
-                if self._next_of.get(key) != -neg:
-                    continue  # evicted, or used again since this entry
-                held.append((neg, key))
-                if key not in protected:
-                    return key
-            raise LookupError("every resident expert is protected")
-        finally:
-            for item in held:
-                heapq.heappush(self._heap, item)
+        # an entry is stale once its key was evicted or used again
+        return first_unprotected(self._heap, lambda e: self._next_of.get(e[1]) == -e[0], protected)
 
 
 # -- the steps of a trace --------------------------------------------------------------
