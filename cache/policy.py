@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 ExpertKey = tuple[int, int]  # (MoE layer index 0..L-1, expert id)
+NO_LOOKAHEAD: tuple[int, frozenset[int]] = (-1, frozenset())
 
 
 class Policy:
@@ -24,7 +25,7 @@ class Policy:
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self.num_layers = num_layers
         self.num_experts = num_experts
-        self._lookahead: tuple[int, frozenset[int]] = (-1, frozenset())
+        self._lookahead = NO_LOOKAHEAD  # (layer, experts) of the latest guess
 
     def on_request_start(self, request_id: str) -> None:
         pass
@@ -67,8 +68,11 @@ class Policy:
         By default all are alike, except the engine's latest look-ahead guess: about to be
         used, it may displace the policy's victim.
         """
+        return 1.0 if self._guessed(key) else 0.0
+
+    def _guessed(self, key: ExpertKey) -> bool:
         layer, guess = self._lookahead
-        return 1.0 if key[0] == layer and key[1] in guess else 0.0
+        return key[0] == layer and key[1] in guess
 
 
 class LRUPolicy(Policy):

@@ -31,7 +31,7 @@ import numpy as np
 
 from cache.eam import RequestEAM
 from cache.eamc import DEFAULT_CAPACITY, EAMC
-from cache.policy import ExpertKey, Policy, register_policy
+from cache.policy import NO_LOOKAHEAD, ExpertKey, Policy, register_policy
 
 NEVER = -(1 << 40)  # last-use pass of an expert never used
 AGE_EDGES = np.array(
@@ -246,7 +246,6 @@ class SparsityAwarePolicy(Policy):
         self._pass = 0
         self._layer = L  # > any layer: the first routing starts a pass
         self._phase = ""
-        self._hint: tuple[int, list[int]] | None = None
         # expected distance of each expert's next use, in layer steps, plus the current layer
         self._ahead = np.zeros((L, E))  # [L, E] if its layer is still to run in this pass
         self._behind = np.zeros((L, E))  # [L, E] if its layer has run
@@ -281,7 +280,7 @@ class SparsityAwarePolicy(Policy):
             self.request.reset()
             self._buckets = buckets_of(self.predictor.start(self._top_k))
             self._layer = self.num_layers
-            self._hint = None
+            self._lookahead = NO_LOOKAHEAD
 
     def on_request_end(self, request_id: str) -> None:
         with self._lock:
@@ -295,7 +294,7 @@ class SparsityAwarePolicy(Policy):
             if layer <= self._layer or phase != self._phase:
                 self._new_pass(phase)
             self._layer = layer
-            self._hint = None
+            self._lookahead = NO_LOOKAHEAD  # a guess is for the layer after the one that made it
             self.request.add(layer, expert_ids, phase, tokens, counts)
             if phase == "decode" and len(expert_ids) > self._top_k:
                 self._top_k = len(expert_ids)
@@ -308,7 +307,7 @@ class SparsityAwarePolicy(Policy):
     def on_lookahead(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The engine's guess of `layer`'s experts (the next router applied early): prefetch them first."""
         with self._lock:
-            self._hint = (layer, list(expert_ids))
+            super().on_lookahead(layer, expert_ids)
 
     def on_insert(self, key: ExpertKey) -> None:
         with self._lock:
@@ -316,7 +315,7 @@ class SparsityAwarePolicy(Policy):
             if self._step_hidden and key in self._step_keys:
                 self._masked[key] = -np.inf
             else:
-                self._masked[key] = self._current[key] if not self._hinted(key) else self._next_chance(key[0])
+                self._masked[key] = self._current[key] if not self._guessed(key) else self._next_chance(key[0])
             self._num_resident += 1
 
     def on_evict(self, key: ExpertKey) -> None:
@@ -363,12 +362,9 @@ class SparsityAwarePolicy(Policy):
     def prefetch_priority(self, key: ExpertKey) -> float:
         with self._lock:
             self._values()
-            if self._hinted(key):
+            if self._guessed(key):
                 return -self._next_chance(key[0])  # as if its use were certain
             return -float(self._current[key])
-
-    def _hinted(self, key: ExpertKey) -> bool:
-        return self._hint is not None and self._hint[0] == key[0] and key[1] in self._hint[1]
 
     def _next_chance(self, layer: int) -> float:
         """Layer steps (plus the current layer) until `layer` runs next."""
@@ -379,8 +375,9 @@ class SparsityAwarePolicy(Policy):
         """Per expert of `layer`: the chance that its next run uses it."""  # [E]
         age = self._pass + (layer <= self._layer) - self._last_use[layer]
         chance = self.reuse.hazard[self._buckets[layer], AGE_BIN[np.minimum(age, MAX_AGE)]]
-        if self._hint is not None and self._hint[0] == layer:
-            chance[self._hint[1]] = 1.0
+        guess_layer, guess = self._lookahead
+        if guess_layer == layer:
+            chance[list(guess)] = 1.0
         return chance
 
     def _horizon(self) -> float:
