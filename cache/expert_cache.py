@@ -172,7 +172,9 @@ class ExpertCache:
             with self._lock:
                 if not self._admits(key):  # the engine moved on while we read
                     return False
-                self._insert(key, self._take_slot(), src)
+                slot = self._take_slot()
+                self.backend.fill(slot, src, prefetch=True)
+                self._register(key, slot)
                 self._prefetched_unused.add(key)
                 self.stats.add("prefetches", key[0])
                 return True
@@ -205,10 +207,6 @@ class ExpertCache:
         self.backend.load(key, slot)
         self._register(key, slot)
         return slot
-
-    def _insert(self, key: ExpertKey, slot: int, src) -> None:
-        self.backend.fill(slot, src, prefetch=True)
-        self._register(key, slot)
 
     def _take_slot(self) -> int:
         """A free slot, else the policy's victim's."""
