@@ -68,7 +68,8 @@ class SlotBackend:
         self._released: dict[int, torch.cuda.Event] = {}  # slot → last compute on it done
 
     def load(self, key: ExpertKey, slot: int) -> None:
-        self.fill(slot, self.host.get(key))
+        with self.host.hold(key) as src:  # a prefetch thread must not recycle it mid-copy
+            self.fill(slot, src)
 
     def staged(self, key: ExpertKey) -> AbstractContextManager[torch.Tensor]:
         """The expert's host buffer, read now (maybe from disk) and kept until the block ends."""

@@ -94,6 +94,8 @@ class HostStore:
             self.get(key)
 
     def get(self, key: ExpertKey) -> torch.Tensor:
+        """The expert's buffer, for reading now: another thread may recycle it at any time
+        after this returns, so a copy out of it must use `hold` instead."""
         with self._lock:
             buffer = self._resident.get(key)
             if buffer is not None:
@@ -102,14 +104,15 @@ class HostStore:
             buffer = self._free_buffer()
             self._read(key, buffer)
             self._resident[key] = buffer
-            self._trim()
+            self._trim(keep=key)
             return buffer
 
     @contextmanager
     def hold(self, key: ExpertKey) -> Iterator[torch.Tensor]:
         """`get(key)`, with the buffer kept out of recycling until the block ends.
 
-        For a reader that copies out of it later, outside any lock of its caller.
+        Every copy out of a host buffer runs inside such a block (and records its device
+        event there with `record_copy`), so no other reader can overwrite it meanwhile.
         """
         with self._lock:
             buffer = self.get(key)
@@ -123,10 +126,13 @@ class HostStore:
                     self._held[id(buffer)] = left
 
     def record_copy(self, buffer: torch.Tensor, event: object) -> None:
-        """A device copy out of `buffer` is in flight until `event` completes."""
-        if not self.fully_resident:
-            with self._lock:
-                self._in_flight[id(buffer)] = event
+        """A device copy out of `buffer` (held by the caller) is in flight until `event` completes."""
+        if self.fully_resident:
+            return  # buffers are never recycled
+        with self._lock:
+            if id(buffer) not in self._held:
+                raise RuntimeError("a copy out of a host buffer that is not held")
+            self._in_flight[id(buffer)] = event
 
     def _free_buffer(self) -> torch.Tensor:
         """A buffer to read into: a new one under the budget, else the least recent one not held.
@@ -139,12 +145,15 @@ class HostStore:
             return torch.empty(self.shape.numel, dtype=self.dtype, pin_memory=self.pin_memory)
         return self._take(victim)
 
-    def _trim(self) -> None:
-        while len(self._resident) > self.capacity and (victim := self._recyclable()) is not None:
+    def _trim(self, keep: ExpertKey) -> None:
+        """Back to the budget, dropping neither held buffers nor `keep` (just read, about to be used)."""
+        while len(self._resident) > self.capacity and (victim := self._recyclable(keep)) is not None:
             self._take(victim)
 
-    def _recyclable(self) -> ExpertKey | None:
-        return next((key for key, buf in self._resident.items() if id(buf) not in self._held), None)
+    def _recyclable(self, keep: ExpertKey | None = None) -> ExpertKey | None:
+        return next(
+            (key for key, buf in self._resident.items() if key != keep and id(buf) not in self._held), None
+        )
 
     def _take(self, key: ExpertKey) -> torch.Tensor:
         buffer = self._resident.pop(key)

@@ -1,6 +1,9 @@
 """Generation features through the engine: chat templates, stop strings, seeds, max_tokens,
 EOS, logprobs, abort, and a RAM tier smaller than the experts."""
 
+import random
+import time
+
 import pytest
 
 from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
@@ -108,6 +111,23 @@ def test_abort_stops_within_one_step(engine):
     assert sum(len(e.token_ids) for e in events) == 3
 
 
+def inject_delays(engine: Engine) -> None:
+    """Random sub-millisecond pauses at the points where the prefetch thread and the engine interleave."""
+    rng = random.Random(0)
+    host, backend = engine.loaded.host, engine.runtime.cache.backend
+    read, fill = host._read, backend.fill
+
+    def delayed_read(key, buffer):
+        time.sleep(rng.random() * 0.001)
+        read(key, buffer)
+
+    def delayed_fill(slot, src, prefetch=False):
+        time.sleep(rng.random() * 0.001)
+        fill(slot, src, prefetch)
+
+    host._read, backend.fill = delayed_read, delayed_fill
+
+
 @pytest.mark.parametrize("policy", ["lru", "sparsity-aware"])  # prefetch on: its thread reads disk too
 def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_tokens(folder, engine, policy, tmp_path):
     small = Engine.load(
@@ -117,6 +137,7 @@ def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_to
         )
     )
     assert small.loaded.host.capacity < 16
+    inject_delays(small)
     prompt = engine.encode(PROMPT)
     reads_before = small.loaded.host.disk_reads
 

@@ -1,0 +1,167 @@
+"""The host tier under a concurrent prefetch thread: a slot always holds the weights of the
+expert it is registered for, whatever the interleaving of demand loads and prefetches.
+
+Every expert is filled with one constant, so a slot that received another expert's bytes
+(or a mix of two) shows it at once.
+"""
+
+import random
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cache.expert_cache import ExpertCache, SlotBackend
+from cache.host_store import ExpertShape, HostStore, Segment
+from cache.policy import LRUPolicy
+from cache.safetensors_index import index_checkpoint
+from cache.stats import CacheStats
+
+H, INTER, E, L = 64, 96, 8, 2
+
+
+def value_of(key: tuple[int, int]) -> float:
+    return float(key[0] * 100 + key[1] + 1)
+
+
+@pytest.fixture
+def constant_experts(tmp_path):
+    tensors = {}
+    for layer in range(L):
+        for e in range(E):
+            v = value_of((layer, e))
+            tensors[f"{layer}.{e}.gate"] = torch.full((INTER, H), v)
+            tensors[f"{layer}.{e}.up"] = torch.full((INTER, H), v)
+            tensors[f"{layer}.{e}.down"] = torch.full((H, INTER), v)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    index = index_checkpoint(tmp_path)
+    return {
+        (layer, e): [Segment.slice_of(index[f"{layer}.{e}.{p}"]) for p in ("gate", "up", "down")]
+        for layer in range(L)
+        for e in range(E)
+    }
+
+
+def make_cache(sources, ram_experts: int, slots: int = 4) -> tuple[ExpertCache, HostStore]:
+    store = HostStore(sources, ExpertShape(H, INTER), torch.float32, capacity=ram_experts)
+    policy = LRUPolicy(L, E)
+    policy.on_lookahead(1, list(range(E)))  # layer-1 experts are guessed: prefetches displace layer-0 ones
+    return ExpertCache(slots, policy, CacheStats(L), SlotBackend(store, slots, torch.device("cpu"))), store
+
+
+def holds_only(view: torch.Tensor, key: tuple[int, int]) -> bool:
+    values = torch.unique(view)
+    return values.numel() == 1 and float(values[0]) == value_of(key)
+
+
+def test_a_prefetch_cannot_recycle_the_buffer_a_demand_load_is_copying(constant_experts):
+    cache, store = make_cache(constant_experts, ram_experts=1)
+    for e in range(4):  # fill the four slots with layer-0 experts
+        cache.acquire(0, [e])
+        cache.release(0, [e])
+    in_gap, go = threading.Event(), threading.Event()
+    backend = cache.backend
+    staged, fill = backend.staged, backend.fill
+
+    def paused_staged(key):  # the prefetch thread, after its admission check, before its host read
+        in_gap.set()
+        assert go.wait(5)
+        return staged(key)
+
+    def slow_fill(slot, src, prefetch=False):  # the engine, after the host read, before the copy
+        if not prefetch:
+            go.set()
+            time.sleep(0.2)  # the prefetch thread reads (1, 3) now, into whatever buffer is free
+        return fill(slot, src, prefetch)
+
+    backend.staged, backend.fill = paused_staged, slow_fill
+    prefetch = threading.Thread(target=cache.prefetch, args=((1, 3),))
+    prefetch.start()
+    assert in_gap.wait(5)
+    [view] = cache.acquire(0, [7])
+    cache.wait(0, 7)
+    prefetch.join(5)
+    assert cache.stats.totals()["prefetches"] == 1  # the race really ran
+    assert holds_only(view, (0, 7))
+    cache.release(0, [7])
+
+
+def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(constant_experts):
+    cache, store = make_cache(constant_experts, ram_experts=1)
+    backend, rng = cache.backend, random.Random(0)
+    staged, fill, read = backend.staged, backend.fill, store._read
+
+    def jitter() -> None:
+        time.sleep(rng.random() * 0.001)
+
+    @contextmanager
+    def delayed_staged(key):
+        jitter()  # between the admission check and the host read
+        with staged(key) as src:
+            jitter()  # between the host read and taking the cache lock
+            yield src
+
+    def delayed_fill(slot, src, prefetch=False):
+        jitter()  # between the host read and the copy
+        fill(slot, src, prefetch)
+
+    def delayed_read(key, buffer):
+        jitter()
+        read(key, buffer)
+
+    backend.staged, backend.fill, store._read = delayed_staged, delayed_fill, delayed_read
+    stop = time.monotonic() + 2.0
+    wrong: list[tuple] = []
+
+    def prefetch_loop() -> None:
+        prng = random.Random(1)
+        while time.monotonic() < stop:
+            cache.prefetch((prng.randrange(L), prng.randrange(E)))
+
+    thread = threading.Thread(target=prefetch_loop)
+    thread.start()
+    steps = 0
+    while time.monotonic() < stop:
+        layer = rng.randrange(L)
+        experts = sorted(rng.sample(range(E), 2))
+        views = cache.acquire(layer, experts)
+        for e, view in zip(experts, views):
+            cache.wait(layer, e)
+            if not holds_only(view, (layer, e)):
+                wrong.append((steps, (layer, e), torch.unique(view)[:4].tolist()))
+        cache.release(layer, experts)
+        steps += 1
+    thread.join(5)
+    totals = cache.stats.totals()
+    assert steps > 50 and totals["prefetches"] > 10 and totals["misses"] > 10
+    assert wrong == []
+    assert len(store._in_flight) == 0  # CPU copies are synchronous: nothing is in flight
+
+
+class DoneEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_buffer_read_while_every_other_is_held_is_kept_and_leaves_no_in_flight_entry(constant_experts):
+    store = HostStore(constant_experts, ExpertShape(H, INTER), torch.float32, capacity=1)
+    with store.hold((0, 1)):
+        with store.hold((0, 2)) as second:  # over the budget of one: the held one cannot go
+            assert holds_only(second, (0, 2))
+            assert (0, 2) in store._resident  # kept: not dropped right after being read
+            store.record_copy(second, DoneEvent())
+    for e in (3, 4, 5):
+        with store.hold((0, e)) as buffer:
+            store.record_copy(buffer, DoneEvent())
+    assert len(store._resident) == 1
+    live = {id(buffer) for buffer in store._resident.values()}
+    assert set(store._in_flight) <= live  # no entry outlives its buffer
+
+
+def test_a_copy_out_of_a_buffer_that_is_not_held_is_refused(constant_experts):
+    store = HostStore(constant_experts, ExpertShape(H, INTER), torch.float32, capacity=2)
+    with pytest.raises(RuntimeError, match="not held"):
+        store.record_copy(store.get((0, 1)), DoneEvent())
