@@ -15,6 +15,7 @@ warning, and the caller starts with an empty EAMC.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -143,6 +144,9 @@ def load_eamc(
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # unreadable (permissions), a folder in its place, an I/O error
+        log.warning("cannot read the EAMC file %s (%s); starting with an empty EAMC", path, exc)
+        return None
     try:
         header, start = decode_header(data)
         if header.get("version") != VERSION:
@@ -156,8 +160,11 @@ def load_eamc(
             raise CorruptEAMCFile(f"arrays of shape {arrays['prefill'].shape} in a file for this model")
         return EAMC.from_arrays(arrays, capacity=capacity)
     except (CorruptEAMCFile, ValueError) as exc:
-        moved = quarantine(path)
-        log.warning("EAMC file %s is corrupt (%s); moved it to %s and starting fresh", path, exc, moved)
+        try:
+            moved = f"moved it to {quarantine(path)}"
+        except OSError as move_error:  # a read-only state folder
+            moved = f"could not move it aside ({move_error})"
+        log.warning("EAMC file %s is corrupt (%s); %s; starting with an empty EAMC", path, exc, moved)
         return None
 
 
@@ -186,15 +193,21 @@ _TEMP = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
 
 
 def _remove_stale_temps(path: Path) -> None:
-    """Temp files left by a process that died mid-save."""
+    """Temp files left by a process that died mid-save (a read-only folder keeps them: a warning)."""
     try:
         siblings = list(path.parent.iterdir())
     except FileNotFoundError:
         return
+    except OSError as exc:
+        log.warning("cannot list the state folder %s: %s", path.parent, exc)
+        return
     for other in siblings:
         match = _TEMP.match(other.name)
         if match and match["name"] == path.name and not _alive(int(match["pid"])):
-            other.unlink(missing_ok=True)
+            try:
+                other.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot remove the stale temp file %s: %s", other, exc)
 
 
 def _alive(pid: int) -> bool:
@@ -212,10 +225,52 @@ def _alive(pid: int) -> bool:
 # -- periodic saving -------------------------------------------------------------------
 
 
+class SaveLock:
+    """An advisory lock (`flock`) on `.<name>.lock` beside a state file: one writer per file.
+
+    Held from `acquire` until `release` or the end of the process. The EAMC file itself is
+    replaced on every save, so the lock lives on a file of its own that never moves.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.with_name(f".{path.name}.lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """None, unless another process holds the lock: then who does.
+
+        A lock file that cannot be created (a read-only folder) is only a warning: saving
+        may still work later, and fails with its own warning if not.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.warning("cannot open the lock file %s (%s); saving without the lock", self.path, exc)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            return f"another process (pid {holder}) holds {self.path}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
 class EAMCAutosaver:
     """Saves an EAMC every `interval_s` seconds when it changed, and once more on `stop()`.
 
-    `get_eamc` returns the EAMC to save (e.g. `lambda: policy.eamc`).
+    `get_eamc` returns the EAMC to save (e.g. `lambda: policy.eamc`). Only one process
+    saves to a path: when another holds its `SaveLock`, this one says so and never saves
+    (two servers sharing a state folder would otherwise overwrite each other's learning).
     """
 
     def __init__(self, path: str | os.PathLike, fingerprint: ModelFingerprint, get_eamc, interval_s: float = 60.0):
@@ -226,6 +281,10 @@ class EAMCAutosaver:
         self._saved_version: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = SaveLock(self.path)
+        self.save_blocked = self._lock.acquire()  # None, or why this process does not save
+        if self.save_blocked:
+            log.warning("the EAMC %s will not be saved by this server: %s", self.path, self.save_blocked)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="eamc-autosave", daemon=True)
@@ -237,9 +296,14 @@ class EAMCAutosaver:
             self._thread.join()
         self.save_if_changed()
 
+    def close(self) -> None:
+        """The last save, then let another process take over the file."""
+        self.stop()
+        self._lock.release()
+
     def save_if_changed(self) -> bool:
         eamc = self.get_eamc()
-        if eamc is None or eamc.version == self._saved_version:
+        if self.save_blocked or eamc is None or eamc.version == self._saved_version:
             return False
         version = eamc.version
         try:

@@ -13,6 +13,7 @@ predictions replace older ones that have not started yet.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,9 @@ import torch
 from cache.expert_cache import ExpertCache
 from cache.policy import ExpertKey
 
+log = logging.getLogger(__name__)
+
+PREFETCH_LIMIT_PER_TOP_K = 2  # most prefetches issued after one layer, in units of top_k
 Router = Callable[[torch.Tensor], torch.Tensor]  # hidden [T, H] → top-k expert ids [T, k]
 
 
@@ -31,6 +35,7 @@ class Prefetcher:
         self.limit = limit  # most prefetches issued after one layer
         self.lookahead_predicted = 0
         self.lookahead_correct = 0
+        self.failures = 0  # prefetches that raised (e.g. a failed disk read); the engine carries on
         self._guess: tuple[int, set[int]] | None = None  # (layer, experts) guessed for that layer
         self._pending: list[ExpertKey] = []
         self._wake = threading.Condition()
@@ -40,7 +45,7 @@ class Prefetcher:
             self._thread = threading.Thread(target=self._work, name="expert-prefetch", daemon=True)
             self._thread.start()
 
-    def after_routing(self, layer: int, hidden: torch.Tensor, needed: list[int], phase: str) -> None:
+    def after_routing(self, layer: int, hidden: torch.Tensor | None, needed: list[int], phase: str) -> None:
         self._score_guess(layer, needed)
         keys: list[ExpertKey] = []
         if phase == "decode" and layer + 1 < len(self.routers) and self.routers[layer + 1] is not None:
@@ -71,7 +76,7 @@ class Prefetcher:
     def _submit(self, keys: list[ExpertKey]) -> None:
         if self._thread is None:
             for key in keys:
-                self.cache.prefetch(key)
+                self._prefetch(key)
             return
         with self._wake:
             self._pending = keys  # supersedes what the last layer asked for
@@ -85,4 +90,15 @@ class Prefetcher:
                 if self._closed:
                     return
                 key = self._pending.pop(0)
+            self._prefetch(key)
+
+    def _prefetch(self, key: ExpertKey) -> None:
+        """One prefetch; a failure is counted and logged, never fatal: a prefetch is only a guess."""
+        try:
             self.cache.prefetch(key)
+        except Exception as exc:
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("prefetching expert %s failed; counting further failures quietly", key, exc_info=True)
+            else:
+                log.debug("prefetching expert %s failed: %s", key, exc)

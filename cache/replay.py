@@ -29,6 +29,8 @@ import numpy as np
 import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
 from cache.expert_cache import DryRunBackend, ExpertCache
 from cache.policy import POLICIES, ExpertKey, Policy, first_unprotected, make_policy
+from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, Prefetcher
+from cache.runtime import ExpertRuntime, chunks
 from cache.stats import CacheStats
 from cache.trace import TraceHeader, TraceRequest, load_trace, read_trace
 
@@ -123,13 +125,6 @@ def _decode_rows(decode: np.ndarray) -> list:
     return rows.tolist()
 
 
-def chunks(experts: list[int], capacity: int) -> list[list[int]]:
-    """The turns of one step: all at once when they fit, else runs of `capacity`."""
-    if len(experts) <= capacity:
-        return [experts]
-    return [experts[i : i + capacity] for i in range(0, len(experts), capacity)]
-
-
 def access_sequence(header: TraceHeader, requests: Sequence[TraceRequest], capacity: int) -> np.ndarray:
     """Flat keys in the exact order `ExpertCache.acquire` reports them to the policy."""
     parts = []
@@ -164,30 +159,30 @@ def replay(
         policy = build_policy(policy, header, requests, capacity)
     stats = {"prefill": CacheStats(header.num_layers), "decode": CacheStats(header.num_layers)}
     cache = ExpertCache(capacity, policy, stats["decode"], DryRunBackend(bytes_per_expert=1))
-    _drive(cache, policy, iter_steps(header, requests), capacity, stats, prefetch)
+    _drive(cache, policy, header, iter_steps(header, requests), stats, prefetch)
     result = summarize(policy.name, capacity, header, len(requests), stats)
     result["prefetch"] = prefetch
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 
 
-def _drive(cache: ExpertCache, policy: Policy, steps, capacity: int, stats: dict, prefetch: bool) -> None:
-    acquire, release, on_routing = cache.acquire, cache.release, policy.on_routing
+def _drive(cache: ExpertCache, policy: Policy, header: TraceHeader, steps, stats: dict, prefetch: bool) -> None:
+    """Each step through `ExpertRuntime.run_step`, as the engine runs it (prefetch at the same point)."""
+    runtime = ExpertRuntime(cache, header.num_layers, header.num_experts, header.top_k)
+    if prefetch:  # the policy's own candidates; a trace has no hidden states for a look-ahead
+        runtime.prefetcher = Prefetcher(cache, [None] * header.num_layers, background=False,
+                                        limit=PREFETCH_LIMIT_PER_TOP_K * header.top_k)
     for event in steps:
         if event[0] is STEP:
             _, phase, layer, experts, tokens, counts = event
             cache.stats = stats[phase]
-            on_routing(layer, experts, tokens, phase, counts)
-            for turn in chunks(experts, capacity):
-                acquire(layer, turn)
-                release(layer, turn)
-            if prefetch:
-                for key in policy.prefetch_candidates(layer):
-                    cache.prefetch(key)
+            runtime.phase = phase
+            runtime.note_routing(layer, experts, tokens, counts)
+            runtime.run_step(layer, experts, None)
         elif event[0] is START:
-            policy.on_request_start(event[1])
+            runtime.begin_request(event[1])
         else:
-            policy.on_request_end(event[1])
+            runtime.end_request(event[1])
 
 
 def summarize(name: str, capacity: int, header: TraceHeader, num_requests: int, stats: dict) -> dict:

@@ -8,7 +8,7 @@ current step (prefill or decode).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,19 +48,49 @@ class ExpertRuntime:
         if self.recorder is not None:
             self.recorder.end_request()
 
-    def on_routing(self, layer: int, top_k_index: torch.Tensor, hidden: torch.Tensor) -> list[int]:
+    def on_routing(self, layer: int, top_k_index: torch.Tensor) -> list[int]:
         """Record one router decision (`top_k_index` [T, k]); return the sorted experts needed."""
         index_rows = top_k_index.tolist()  # one device sync per layer: the loads depend on it
         counts = Counter(e for row in index_rows for e in row)
         needed = sorted(counts)
-        self.policy.on_routing(layer, needed, len(index_rows), self.phase, [counts[e] for e in needed])
+        self.note_routing(layer, needed, len(index_rows), [counts[e] for e in needed])
         if self.recorder is not None:
             self.recorder.record(self.phase, layer, index_rows)
-        if self.prefetcher is not None:
-            self.prefetcher.after_routing(layer, hidden, needed, self.phase)
         return needed
 
-    def chunks(self, experts: Sequence[int]) -> list[Sequence[int]]:
-        """Split a step's experts into turns that fit the cache together."""
-        size = self.cache.capacity
-        return [experts[i : i + size] for i in range(0, len(experts), size)]
+    def note_routing(self, layer: int, needed: list[int], tokens: int, counts: Sequence[int] | None) -> None:
+        """Tell the policy what `layer`'s router picked (`counts`: tokens per expert, None: one each)."""
+        self.policy.on_routing(layer, needed, tokens, self.phase, counts)
+
+    def run_step(
+        self,
+        layer: int,
+        needed: list[int],
+        hidden: torch.Tensor | None,
+        compute: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Acquire `layer`'s experts in turns and `compute(expert, slot view)` each one.
+
+        The prefetch for the next layer is issued once the last turn is acquired: the step's
+        own experts are protected then, so a prefetch can never evict them, and its copies
+        overlap this layer's compute. The engine and the trace replay both run this.
+        """
+        turns = chunks(needed, self.cache.capacity)
+        for i, turn in enumerate(turns):
+            views = self.cache.acquire(layer, turn)
+            try:
+                if i == len(turns) - 1 and self.prefetcher is not None:
+                    self.prefetcher.after_routing(layer, hidden, needed, self.phase)
+                if compute is not None:
+                    for expert, view in zip(turn, views):
+                        self.cache.wait(layer, expert)
+                        compute(expert, view)
+            finally:
+                self.cache.release(layer, turn)
+
+
+def chunks(experts: Sequence[int], capacity: int) -> list[Sequence[int]]:
+    """The turns of one step: all at once when they fit the cache, else runs of `capacity`."""
+    if len(experts) <= capacity:
+        return [experts]
+    return [experts[i : i + capacity] for i in range(0, len(experts), capacity)]

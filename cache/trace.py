@@ -9,6 +9,7 @@ picked fewer than K experts.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 FORMAT = "moe-trace/1"
 PHASES = ("prefill", "decode")
@@ -179,7 +182,8 @@ class TraceWriter:
         self.header = TraceHeader(model, num_layers, num_experts, top_k)
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file = self._open()
+        self.failures = 0  # requests whose line could not be written
+        self._fd = self._open()
         self._request_id: str | None = None
         self._steps: dict[str, list[list[list[int]]]] = {}
 
@@ -198,21 +202,30 @@ class TraceWriter:
             self._steps[phase][layer].extend([int(e) for e in ids] for ids in token_experts)
 
     def end_request(self) -> None:
-        """Write the request (an aborted one is cut to the tokens every layer saw) and flush."""
+        """Write the request (an aborted one is cut to the tokens every layer saw).
+
+        A failed write (a full disk) is logged and counted, never raised: the request it
+        records has already been answered. The file is cut back to its last whole line.
+        """
         with self._lock:
             if self._request_id is None:
                 return
             line = {"id": self._request_id}
             for phase in PHASES:
                 line[phase] = _tokens_major(self._steps[phase])
-            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
-            self._file.flush()
             self._request_id = None
             self._steps = {}
+            try:
+                _append_line(self._fd, json.dumps(line, separators=(",", ":")))
+            except OSError as exc:
+                self.failures += 1
+                log.warning("could not write request %s to the trace %s: %s", line["id"], self.path, exc)
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -220,17 +233,32 @@ class TraceWriter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _open(self):
+    def _open(self) -> int:
+        """An unbuffered append-only descriptor, with the header written if the file is new."""
         if self.path.exists() and self.path.stat().st_size > 0:
             with open(self.path, encoding="utf-8") as f:
                 existing = parse_header(f.readline(), self.path)
             if existing != self.header:
                 raise TraceFormatError(f"{self.path}: holds a trace of another model ({existing})")
-            return open(self.path, "a", encoding="utf-8")
-        handle = open(self.path, "w", encoding="utf-8")
-        handle.write(json.dumps(self.header.to_json()) + "\n")
-        handle.flush()
-        return handle
+            return os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+        _append_line(fd, json.dumps(self.header.to_json()))
+        return fd
+
+
+def _append_line(fd: int, text: str) -> None:
+    """Append one line whole, or (on an error) leave the file as it was and raise."""
+    data = memoryview((text + "\n").encode())
+    start = os.fstat(fd).st_size
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        try:
+            os.ftruncate(fd, start)  # no partial line for a reader to choke on
+        except OSError:
+            pass
+        raise
 
 
 def _tokens_major(per_layer: list[list[list[int]]]) -> list:

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConf
 
 from cache.eamc import EAMC
 from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
-from cache.prefetcher import Prefetcher
+from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, Prefetcher
 from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
@@ -87,7 +87,8 @@ class Engine:
             routers = [_top_k_of(self.model.model.layers[i].mlp.gate) for i in self.loaded.moe_layers]
             # CUDA copies are already async on a side stream; disk reads of a bounded RAM tier are not
             background = self.device.type != "cuda" or not self.loaded.host.fully_resident
-            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit=2 * runtime.top_k)
+            limit = PREFETCH_LIMIT_PER_TOP_K * runtime.top_k
+            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit)
         if hasattr(runtime.policy, "eamc"):
             self._eamc_saver = _eamc_saver(self, runtime.policy)
         if config.record_trace:
@@ -207,6 +208,8 @@ class Engine:
     def cache_counters(self) -> dict[str, int]:
         counters = self.runtime.stats.totals()
         counters["eamc_entries"] = _eamc_size(self.runtime.policy)
+        counters["prefetch_failures"] = self.runtime.prefetcher.failures if self.runtime.prefetcher else 0
+        counters["trace_write_failures"] = self.runtime.recorder.failures if self.runtime.recorder else 0
         return counters
 
     def cache_info(self) -> dict:
@@ -251,7 +254,7 @@ class Engine:
     def close(self) -> None:
         """Persist what must survive a restart; stop background work."""
         if self._eamc_saver is not None:
-            self._eamc_saver.save_if_changed()
+            self._eamc_saver.close()
         if self.runtime.prefetcher is not None:
             self.runtime.prefetcher.close()
         if self.runtime.recorder is not None:

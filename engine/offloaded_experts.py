@@ -34,17 +34,13 @@ class OffloadedExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        needed = self.runtime.on_routing(self.moe_layer, top_k_index, hidden)
+        needed = self.runtime.on_routing(self.moe_layer, top_k_index)
         out = torch.zeros_like(hidden)  # [T, H]
-        cache = self.runtime.cache
-        for turn in self.runtime.chunks(needed):  # several turns only when the cache is tiny
-            slots = cache.acquire(self.moe_layer, turn)
-            try:
-                for expert, flat in zip(turn, slots):
-                    cache.wait(self.moe_layer, expert)
-                    self._add_expert(out, flat, expert, hidden, top_k_index, top_k_weights)
-            finally:
-                cache.release(self.moe_layer, turn)
+
+        def add(expert: int, flat: torch.Tensor) -> None:
+            self._add_expert(out, flat, expert, hidden, top_k_index, top_k_weights)
+
+        self.runtime.run_step(self.moe_layer, needed, hidden, add)
         return out
 
     def _add_expert(

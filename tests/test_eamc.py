@@ -252,3 +252,71 @@ def test_kill_during_save_loop_always_leaves_a_loadable_file(tmp_path):
         assert loaded is not None and len(loaded) >= 1
         assert not list(tmp_path.glob("*.corrupt-*"))
     assert not list(tmp_path.glob(".*tmp*"))  # temp files of killed savers are cleaned up
+
+
+# -- state files that must not stop the server ---------------------------------------------
+
+
+def test_an_unreadable_eamc_file_gives_an_empty_eamc_with_a_warning(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "m.eamc"
+    save_eamc(path, two_entry_eamc(), FP)
+
+    def denied(self):  # what a non-root server gets for a root-owned 0600 file (tests may run as root)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with caplog.at_level(logging.WARNING):
+        assert load_eamc(path, FP) is None
+    assert "cannot read" in caplog.text
+
+
+def test_a_folder_in_place_of_the_eamc_file_gives_an_empty_eamc(tmp_path, caplog):
+    path = tmp_path / "m.eamc"
+    path.mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert load_eamc(path, FP) is None
+    assert "cannot read" in caplog.text
+
+
+def test_a_corrupt_file_that_cannot_be_moved_aside_gives_an_empty_eamc(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "m.eamc"
+    path.write_bytes(b"MOEEAMC\0" + b"\xff" * 100)
+
+    def read_only(src, dst):  # a read-only state folder
+        raise PermissionError(30, "Read-only file system", str(src))
+
+    monkeypatch.setattr("cache.eamc_file.os.replace", read_only)
+    with caplog.at_level(logging.WARNING):
+        assert load_eamc(path, FP) is None
+    assert "could not move it aside" in caplog.text
+
+
+def test_a_stale_temp_file_in_a_read_only_folder_is_only_a_warning(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "m.eamc"
+    save_eamc(path, two_entry_eamc(), FP)
+    (tmp_path / ".m.eamc.tmp-999999999-1").write_bytes(b"partial")  # a dead process's temp file
+
+    def read_only(self, missing_ok=False):
+        raise PermissionError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with caplog.at_level(logging.WARNING):
+        assert len(load_eamc(path, FP)) == 2
+    assert "stale temp file" in caplog.text
+
+
+def test_a_second_saver_of_one_file_does_not_save_and_says_who_holds_it(tmp_path, caplog):
+    path = tmp_path / "m.eamc"
+    first_eamc, second_eamc = two_entry_eamc(), EAMC(1, 4)
+    second_eamc.add(row(1, 1, 1, 1), row(1, 1, 1, 1), 1)
+    first = EAMCAutosaver(path, FP, lambda: first_eamc)
+    with caplog.at_level(logging.WARNING):
+        second = EAMCAutosaver(path, FP, lambda: second_eamc)
+    assert f"pid {os.getpid()}" in caplog.text and second.save_blocked
+    assert first.save_if_changed() and not second.save_if_changed()
+    assert len(load_eamc(path, FP)) == 2  # the first one's, not overwritten by the second
+    first.close()
+    third = EAMCAutosaver(path, FP, lambda: second_eamc)  # the lock is free again
+    assert third.save_blocked is None and third.save_if_changed()
+    third.close()
+    second.close()

@@ -52,3 +52,14 @@ def test_a_corrupt_eamc_file_is_moved_aside_and_the_engine_starts(tmp_path):
     serve(engine, PROMPTS[:1])
     engine.close()
     assert path.is_file()  # a fresh file replaces the corrupt one
+
+
+def test_a_folder_in_place_of_the_eamc_file_is_a_warning_and_the_engine_serves(tmp_path, caplog):
+    folder = build_checkpoint("mixtral", tmp_path / "model", num_layers=2)
+    path = tmp_path / "state.eamc"
+    path.mkdir()
+    engine = load(folder, path)
+    assert engine.cache_counters()["eamc_entries"] == 0
+    serve(engine, PROMPTS[:1])
+    engine.close()  # the save fails with a warning, not an exception
+    assert "could not save the EAMC" in caplog.text
