@@ -147,6 +147,19 @@ class ExpertCache:
                 views.append(self.backend.view(slot))
             return views
 
+    def protect(self, layer: int, experts: Sequence[int]) -> None:
+        """Keep `experts` of `layer` from being evicted (by a prefetch thread) until `unprotect`.
+
+        The engine protects a step's experts as soon as its router has chosen them, before
+        the policy hears of the step: a prefetch in between can then never evict them.
+        """
+        with self._lock:
+            self._protected.update((layer, e) for e in experts)
+
+    def unprotect(self, layer: int, experts: Sequence[int]) -> None:
+        with self._lock:
+            self._protected.difference_update((layer, e) for e in experts)
+
     def wait(self, layer: int, expert: int) -> None:
         self.backend.wait(self._slot_of[(layer, expert)])
 

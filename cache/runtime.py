@@ -59,7 +59,10 @@ class ExpertRuntime:
         return needed
 
     def note_routing(self, layer: int, needed: list[int], tokens: int, counts: Sequence[int] | None) -> None:
-        """Tell the policy what `layer`'s router picked (`counts`: tokens per expert, None: one each)."""
+        """Protect the step's experts, then tell the policy what `layer`'s router picked
+        (`counts`: tokens per expert, None: one each). `run_step` must follow."""
+        if len(needed) <= self.cache.capacity:  # a larger step is protected turn by turn
+            self.cache.protect(layer, needed)
         self.policy.on_routing(layer, needed, tokens, self.phase, counts)
 
     def run_step(
@@ -76,17 +79,20 @@ class ExpertRuntime:
         overlap this layer's compute. The engine and the trace replay both run this.
         """
         turns = chunks(needed, self.cache.capacity)
-        for i, turn in enumerate(turns):
-            views = self.cache.acquire(layer, turn)
-            try:
-                if i == len(turns) - 1 and self.prefetcher is not None:
-                    self.prefetcher.after_routing(layer, hidden, needed, self.phase)
-                if compute is not None:
-                    for expert, view in zip(turn, views):
-                        self.cache.wait(layer, expert)
-                        compute(expert, view)
-            finally:
-                self.cache.release(layer, turn)
+        try:
+            for i, turn in enumerate(turns):
+                views = self.cache.acquire(layer, turn)
+                try:
+                    if i == len(turns) - 1 and self.prefetcher is not None:
+                        self.prefetcher.after_routing(layer, hidden, needed, self.phase)
+                    if compute is not None:
+                        for expert, view in zip(turn, views):
+                            self.cache.wait(layer, expert)
+                            compute(expert, view)
+                finally:
+                    self.cache.release(layer, turn)
+        finally:
+            self.cache.unprotect(layer, needed)  # what `note_routing` protected, also on an error
 
 
 def chunks(experts: Sequence[int], capacity: int) -> list[Sequence[int]]:

@@ -100,3 +100,21 @@ def test_the_engine_and_the_replay_count_the_same_hits_misses_and_prefetches(pol
     assert counters["prefetches"] == result["prefetches"] and counters["prefetch_used"] == result["prefetch_used"]
     if policy == "sparsity-aware":
         assert counters["prefetches"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "sparsity-aware"])
+def test_a_prefetch_between_the_router_and_the_load_cannot_evict_the_steps_experts(policy):
+    """A prefetch thread may run after the router chose a step's experts and before the step loads them."""
+    cache = ExpertCache(2, make_policy(policy, 2, E), CacheStats(2), DryRunBackend(1))
+    runtime = ExpertRuntime(cache, 2, E, 1)
+    runtime.begin_request("r")
+    runtime.phase = "decode"
+    for layer in (0, 1, 0, 1):  # (0, 3) and (1, 4) resident, each used one pass ago
+        needed = runtime.on_routing(layer, torch.tensor([[3 + layer]]))
+        runtime.run_step(layer, needed, None)
+    needed = runtime.on_routing(0, torch.tensor([[3]]))
+    cache.policy.on_lookahead(1, [6])
+    cache.prefetch((1, 6))  # the guess may displace something, but not (0, 3), about to be used
+    assert cache.is_resident((0, 3))
+    runtime.run_step(0, needed, None)
+    assert cache.stats.totals()["hits"] == 3  # (0, 3) twice and (1, 4) once after their first loads
