@@ -106,6 +106,43 @@ class SlotBackend:
             self._released[slot] = event
 
 
+class InPlaceBackend:
+    """CPU: the slots are the RAM tier, and experts are computed where they lie.
+
+    On a machine without a GPU there is no faster memory to copy into: a miss reads the
+    expert from disk straight into its slot, and a hit costs nothing. With every expert
+    in RAM (the default) nothing moves after start-up; a smaller `--host-cache-gb` makes
+    the policy choose which experts stay in RAM and which are read from disk.
+    """
+
+    def __init__(self, host: HostStore, num_slots: int) -> None:
+        self.host = host
+        self.bytes_per_expert = host.bytes_per_expert
+        self.slots = torch.empty(num_slots, host.shape.numel, dtype=host.dtype)  # [S, 3*I*H]
+
+    def load(self, key: ExpertKey, slot: int) -> None:
+        self.host.read_into(key, self.slots[slot])
+
+    @contextmanager
+    def staged(self, key: ExpertKey) -> Iterator[torch.Tensor]:
+        """A prefetch reads the disk outside the cache lock, into a buffer of its own."""
+        buffer = torch.empty(self.host.shape.numel, dtype=self.host.dtype)
+        self.host.read_into(key, buffer)
+        yield buffer
+
+    def fill(self, slot: int, src: torch.Tensor, prefetch: bool = False) -> None:
+        self.slots[slot].copy_(src)
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.slots[slot]
+
+    def wait(self, slot: int) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+
 class ExpertCache:
     def __init__(self, capacity: int, policy: Policy, stats: CacheStats, backend) -> None:
         if capacity < 1:
@@ -119,6 +156,21 @@ class ExpertCache:
         self._protected: set[ExpertKey] = set()
         self._prefetched_unused: set[ExpertKey] = set()
         self._lock = threading.RLock()
+
+    def preload(self, keys: Sequence[ExpertKey]) -> int:
+        """Load `keys` in order into the free slots at start-up (not counted as traffic); how many fit."""
+        with self._lock:
+            loaded = 0
+            for key in keys:
+                if not self._free:
+                    break
+                if key not in self._slot_of:
+                    slot = self._free.pop()
+                    self.backend.load(key, slot)
+                    self._slot_of[key] = slot
+                    self.policy.on_insert(key)
+                    loaded += 1
+            return loaded
 
     # -- demand path -------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int]) -> list:

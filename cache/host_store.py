@@ -62,7 +62,11 @@ class ExpertShape:
 
 
 class HostStore:
-    """(layer, expert) → flat host buffer, with at most `capacity` buffers in RAM."""
+    """(layer, expert) → flat host buffer, with at most `capacity` buffers in RAM.
+
+    On CUDA this is the RAM tier the device slots are filled from. On CPU it holds no
+    buffers (`capacity=0`): the expert cache's slots are the RAM tier, read into directly.
+    """
 
     def __init__(
         self,
@@ -75,7 +79,8 @@ class HostStore:
         self.sources = sources
         self.shape = shape
         self.dtype = dtype
-        self.capacity = len(sources) if capacity is None else max(1, min(capacity, len(sources)))
+        # 0: no RAM tier here; the caller reads experts into buffers of its own (`read_into`)
+        self.capacity = len(sources) if capacity is None else max(0, min(capacity, len(sources)))
         self.pin_memory = pin_memory
         self.bytes_per_expert = shape.numel * dtype.itemsize
         self.disk_reads = 0
@@ -102,7 +107,7 @@ class HostStore:
                 self._resident.move_to_end(key)
                 return buffer
             buffer = self._free_buffer()
-            self._read(key, buffer)
+            self.read_into(key, buffer)
             self._resident[key] = buffer
             self._trim(keep=key)
             return buffer
@@ -162,7 +167,8 @@ class HostStore:
             event.synchronize()  # never overwrite a buffer a copy is still reading
         return buffer
 
-    def _read(self, key: ExpertKey, buffer: torch.Tensor) -> None:
+    def read_into(self, key: ExpertKey, buffer: torch.Tensor) -> None:
+        """Read the expert from disk into `buffer` (`[3*I*H]`, this store's dtype)."""
         self.disk_reads += 1
         start = 0
         for seg in self.sources[key]:

@@ -19,7 +19,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
     expert_cache_experts: int | None = None  # device cache size in experts ...
-    expert_cache_gb: float | None = None  # ... or in GiB; neither: free CUDA memory but 2 GiB, or on CPU a quarter
+    expert_cache_gb: float | None = None  # ... or in GiB; neither: free CUDA memory but 2 GiB, or on CPU all experts (in RAM)
     host_cache_gb: float | None = None  # RAM tier budget; None: all experts in RAM
     policy: str = "sparsity-aware"
     prefetch: bool = True

@@ -227,8 +227,8 @@ class Engine:
             "experts_per_layer": self.runtime.num_experts,
             "top_k": self.runtime.top_k,
             "bytes_per_expert": self.loaded.host.bytes_per_expert,
-            "host_tier": {
-                "capacity_experts": self.loaded.host.capacity,
+            "host_tier": {  # on CPU the cache's slots are the RAM tier
+                "capacity_experts": self.runtime.cache.capacity if self.device.type == "cpu" else self.loaded.host.capacity,
                 "disk_reads": self.loaded.host.disk_reads,
             },
             **totals,

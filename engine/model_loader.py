@@ -5,7 +5,6 @@ every MoE layer's experts served through the expert cache from the host store.
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
-from cache.expert_cache import ExpertCache, SlotBackend
+from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
 from cache.host_store import ExpertShape, HostStore
 from cache.policy import make_policy
 from cache.runtime import ExpertRuntime
@@ -75,14 +74,16 @@ def load_offloaded_model(
     top_k = first.gate.top_k
 
     host = _build_host_store(folder, expert_tensors, moe_layers, num_experts, shape, dtype, device, sizing)
-    capacity = _device_capacity(sizing, host, device, len(moe_layers) * num_experts)
-    stats = CacheStats(len(moe_layers))
-    cache = ExpertCache(
-        capacity,
-        make_policy(policy, len(moe_layers), num_experts),
-        stats,
-        SlotBackend(host, capacity, device),
-    )
+    total = len(moe_layers) * num_experts
+    if device.type == "cpu":  # the cache's slots are the RAM tier: experts are computed in place
+        capacity = _cpu_capacity(sizing, host.bytes_per_expert, total)
+        backend = InPlaceBackend(host, capacity)
+    else:
+        capacity = _device_capacity(sizing, host, device, total)
+        backend = SlotBackend(host, capacity, device)
+    cache = ExpertCache(capacity, make_policy(policy, len(moe_layers), num_experts), CacheStats(len(moe_layers)), backend)
+    if device.type == "cpu" and capacity == total:  # all in RAM: read once now, never again
+        cache.preload(list(host.sources))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
     for moe_index, layer_index in enumerate(moe_layers):
         mlp = layers[layer_index].mlp
@@ -90,15 +91,14 @@ def load_offloaded_model(
 
     _load_dense(model, dense, device, dtype)
     model.to(device)  # the buffers (rotary tables) built on the host at init
+    tiers = (
+        f"{capacity} experts in RAM, computed in place, the rest read from disk"
+        if device.type == "cpu"
+        else f"device cache {capacity} experts, RAM tier {host.capacity}"
+    )
     log.info(
-        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; device cache %d experts, RAM tier %d",
-        config.model_type,
-        len(moe_layers),
-        num_experts,
-        top_k,
-        host.bytes_per_expert / 2**20,
-        capacity,
-        host.capacity,
+        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; %s",
+        config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20, tiers,
     )
     return OffloadedModel(model, config, runtime, host, folder, moe_layers, shape, num_experts, top_k)
 
@@ -118,23 +118,34 @@ def _build_host_store(
         if layer_index not in expert_tensors:
             raise CheckpointError(f"{folder} has no expert weights for decoder layer {layer_index}")
         sources.update(expert_segments(expert_tensors[layer_index], moe_index, num_experts))
+    if device.type == "cpu":
+        return HostStore(sources, shape, dtype, capacity=0)  # the expert cache holds the RAM tier
     bytes_per_expert = shape.numel * dtype.itemsize
     host_capacity = None if sizing.host_gb is None else max(1, int(sizing.host_gb * GIB // bytes_per_expert))
-    host = HostStore(sources, shape, dtype, host_capacity, pin_memory=device.type == "cuda")
+    host = HostStore(sources, shape, dtype, host_capacity, pin_memory=True)
     host.preload()
     return host
+
+
+def _cpu_capacity(sizing: CacheSizing, bytes_per_expert: int, total: int) -> int:
+    """Experts kept in RAM on CPU: the smallest size given (any cache flag names the same memory), else all."""
+    given = [n for n in (sizing.device_experts, _experts_in(sizing.device_gb, bytes_per_expert),
+                         _experts_in(sizing.host_gb, bytes_per_expert)) if n is not None]
+    return min(max(1, min(given)), total) if given else total
+
+
+def _experts_in(gib: float | None, bytes_per_expert: int) -> int | None:
+    return None if gib is None else int(gib * GIB // bytes_per_expert)
 
 
 def _device_capacity(sizing: CacheSizing, host: HostStore, device: torch.device, total: int) -> int:
     if sizing.device_experts is not None:
         wanted = sizing.device_experts
     elif sizing.device_gb is not None:
-        wanted = int(sizing.device_gb * GIB // host.bytes_per_expert)
-    elif device.type == "cuda":
+        wanted = _experts_in(sizing.device_gb, host.bytes_per_expert)
+    else:
         free, _ = torch.cuda.mem_get_info(device)
         wanted = int(max(0, free - CUDA_HEADROOM_BYTES) // host.bytes_per_expert)
-    else:
-        wanted = math.ceil(total / 4)
     if wanted < 1:
         raise ValueError(
             f"the device expert cache must hold at least one expert ({host.bytes_per_expert / GIB:.3f} GiB)"

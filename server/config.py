@@ -110,7 +110,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", EngineConfig, str, "weight dtype (auto: the checkpoint's on CUDA, float32 on CPU)",
          choices=DTYPES),
     Flag("--expert-cache-experts", EngineConfig, int, "device expert cache size in experts, over all layers", "N",
-         default_text="on CUDA all free device memory but 2 GiB, on CPU a quarter of all experts"),
+         default_text="on CUDA all free device memory but 2 GiB; on CPU all experts, computed in RAM where they lie (the smallest of this, --expert-cache-gb and --host-cache-gb)"),
     Flag("--expert-cache-gb", EngineConfig, float, "device expert cache size in GiB (instead of "
          "--expert-cache-experts)", "GB"),
     Flag("--host-cache-gb", EngineConfig, float, "host-RAM tier for experts in GiB; experts beyond it "

@@ -92,7 +92,7 @@ def test_a_prefetch_cannot_recycle_the_buffer_a_demand_load_is_copying(constant_
 def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(constant_experts):
     cache, store = make_cache(constant_experts, ram_experts=1)
     backend, rng = cache.backend, random.Random(0)
-    staged, fill, read = backend.staged, backend.fill, store._read
+    staged, fill, read = backend.staged, backend.fill, store.read_into
 
     def jitter() -> None:
         time.sleep(rng.random() * 0.001)
@@ -112,7 +112,7 @@ def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(consta
         jitter()
         read(key, buffer)
 
-    backend.staged, backend.fill, store._read = delayed_staged, delayed_fill, delayed_read
+    backend.staged, backend.fill, store.read_into = delayed_staged, delayed_fill, delayed_read
     stop = time.monotonic() + 2.0
     wrong: list[tuple] = []
 

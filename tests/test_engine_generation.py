@@ -115,7 +115,7 @@ def inject_delays(engine: Engine) -> None:
     """Random sub-millisecond pauses at the points where the prefetch thread and the engine interleave."""
     rng = random.Random(0)
     host, backend = engine.loaded.host, engine.runtime.cache.backend
-    read, fill = host._read, backend.fill
+    read, fill = host.read_into, backend.fill
 
     def delayed_read(key, buffer):
         time.sleep(rng.random() * 0.001)
@@ -125,7 +125,7 @@ def inject_delays(engine: Engine) -> None:
         time.sleep(rng.random() * 0.001)
         fill(slot, src, prefetch)
 
-    host._read, backend.fill = delayed_read, delayed_fill
+    host.read_into, backend.fill = delayed_read, delayed_fill
 
 
 @pytest.mark.parametrize("policy", ["lru", "sparsity-aware"])  # prefetch on: its thread reads disk too
@@ -148,4 +148,29 @@ def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_to
 
     assert tokens(small) == tokens(engine)
     assert small.loaded.host.disk_reads > reads_before
+    small.close()
+
+
+def test_on_cpu_experts_are_computed_in_ram_where_they_lie(folder, tmp_path):
+    cpu = Engine.load(EngineConfig(model=str(folder), device="cpu", eamc_path=str(tmp_path / "eamc")))
+    cache, host = cpu.runtime.cache, cpu.loaded.host
+    total = cpu.runtime.num_layers * cpu.runtime.num_experts
+    assert cache.capacity == total and len(cache.resident()) == total  # all read once at start
+    assert len(host._resident) == 0  # no second copy of the experts in RAM
+    reads = host.disk_reads
+    run(cpu, cpu.encode(PROMPT), temperature=0, max_tokens=6, ignore_eos=True)
+    counters = cpu.cache_counters()
+    assert counters["misses"] == 0 and counters["bytes_transferred"] == 0 and counters["hits"] > 0
+    assert host.disk_reads == reads
+    cpu.close()
+
+
+def test_on_cpu_a_smaller_ram_budget_keeps_that_many_experts_and_reads_the_rest_from_disk(folder, tmp_path):
+    per_expert = Engine.load(EngineConfig(model=str(folder), device="cpu", expert_cache_experts=1,
+                                          prefetch=False, eamc_path=str(tmp_path / "a"))).loaded.host.bytes_per_expert
+    small = Engine.load(EngineConfig(model=str(folder), device="cpu", host_cache_gb=5 * per_expert / 2**30,
+                                     prefetch=False, eamc_path=str(tmp_path / "b")))
+    assert small.runtime.cache.capacity == 5
+    run(small, small.encode(PROMPT), temperature=0, max_tokens=4, ignore_eos=True)
+    assert small.loaded.host.disk_reads == small.cache_counters()["misses"] > 5
     small.close()
