@@ -2,6 +2,8 @@
 
     python -m cache.replay TRACE --policy P (--capacity N | --capacity-frac F) [--json]
     python -m cache.replay TRACE --sweep [--out DIR] [--fracs 0.05,0.1,0.25,0.5]
+    python -m cache.replay TRACE --policy P --capacity N --timed [--prefetch --lookahead-accuracy 0.8]
+        [--expert-mb 352 --link-gbps 24 --compute-ms 1.6 --token-ms 0 --chunk-mb 0]
 
 The same `ExpertCache` and policy objects the engine uses run with `DryRunBackend`.
 Semantics (DESIGN.md): requests in file order, cache and EAMC carried over; a prefill
@@ -9,6 +11,8 @@ step at layer l needs the union of all prompt tokens' experts at l (acquired in 
 at most `capacity` when it needs more); a decode step needs that token's experts at l;
 a miss is a needed expert not resident when its step runs; a transfer is any load,
 demand or prefetch. `belady` is the offline optimum, built from the trace's own future.
+`--timed` adds a model of the host→device link and the compute (`cache.timed`) and
+reports the simulated time per decode token.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import heapq
 import json
 import os
+import random
 import sys
 import time
 from array import array
@@ -25,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
 from cache.expert_cache import DryRunBackend, ExpertCache
@@ -32,6 +38,7 @@ from cache.policy import POLICIES, ExpertKey, Policy, first_unprotected, make_po
 from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, Prefetcher
 from cache.runtime import ExpertRuntime, chunks
 from cache.stats import CacheStats
+from cache.timed import Link, LinkSpec, TimedBackend
 from cache.trace import TraceHeader, TraceRequest, load_trace, read_trace
 
 REPLAY_POLICIES = ("lru", "lfu", "sparsity-aware", "belady")
@@ -152,37 +159,134 @@ def replay(
     policy: str | Policy,
     capacity: int,
     prefetch: bool = False,
+    link: LinkSpec | None = None,
+    lookahead_accuracy: float | None = None,
 ) -> dict:
-    """Run the trace through `ExpertCache` + policy; the counts of the DESIGN.md contract."""
+    """Run the trace through `ExpertCache` + policy; the counts of the DESIGN.md contract.
+
+    `link`: also simulate time (`cache.timed`) and report TPOT. `lookahead_accuracy`: with
+    prefetch, guess each decode step's next layer as the engine's look-ahead router does,
+    right for that share of its experts (the trace holds no hidden states to apply a router to).
+    """
     started = time.perf_counter()
     if isinstance(policy, str):
         policy = build_policy(policy, header, requests, capacity)
     stats = {"prefill": CacheStats(header.num_layers), "decode": CacheStats(header.num_layers)}
-    cache = ExpertCache(capacity, policy, stats["decode"], DryRunBackend(bytes_per_expert=1))
-    _drive(cache, policy, header, iter_steps(header, requests), stats, prefetch)
+    backend = DryRunBackend(bytes_per_expert=1) if link is None else TimedBackend(Link(link))
+    cache = ExpertCache(capacity, policy, stats["decode"], backend)
+    clock = _drive(cache, header, iter_steps(header, requests), stats, prefetch, lookahead_accuracy)
     result = summarize(policy.name, capacity, header, len(requests), stats)
     result["prefetch"] = prefetch
+    if link is not None:
+        result.update(_timing(backend.link, clock, result))
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 
 
-def _drive(cache: ExpertCache, policy: Policy, header: TraceHeader, steps, stats: dict, prefetch: bool) -> None:
+class DecodeClock:
+    """Simulated decode time per request: from the end of its prefill to its last token."""
+
+    def __init__(self) -> None:
+        self.decode_ms = 0.0
+        self.decode_tokens = 0
+        self._mark: float | None = None
+
+    def start(self, link: Link | None) -> None:
+        if link is not None:
+            self._mark = link.now
+
+    def step(self, link: Link | None, phase: str, layer: int, last_layer: int) -> None:
+        if link is None:
+            return
+        link.compute(link.spec.compute_ms)
+        if layer == last_layer:
+            link.compute(link.spec.token_ms)
+            if phase == "decode":
+                self.decode_ms += link.now - self._mark
+                self.decode_tokens += 1
+            self._mark = link.now
+
+
+def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch: bool,
+           lookahead_accuracy: float | None) -> DecodeClock:
     """Each step through `ExpertRuntime.run_step`, as the engine runs it (prefetch at the same point)."""
     runtime = ExpertRuntime(cache, header.num_layers, header.num_experts, header.top_k)
-    if prefetch:  # the policy's own candidates; a trace has no hidden states for a look-ahead
-        runtime.prefetcher = Prefetcher(cache, [None] * header.num_layers, background=False,
+    lookahead = SimulatedLookahead(header, lookahead_accuracy) if lookahead_accuracy is not None else None
+    if prefetch:
+        routers = lookahead.routers() if lookahead else [None] * header.num_layers
+        runtime.prefetcher = Prefetcher(cache, routers, background=False,
                                         limit=PREFETCH_LIMIT_PER_TOP_K * header.top_k)
-    for event in steps:
+    link = getattr(cache.backend, "link", None)
+    clock = DecodeClock()
+    wait_only = None if link is None else _no_compute  # with a link, `run_step` waits for each copy
+    for event, following in _with_next(steps):
         if event[0] is STEP:
             _, phase, layer, experts, tokens, counts = event
             cache.stats = stats[phase]
             runtime.phase = phase
+            if lookahead is not None:
+                lookahead.expect(following)
             runtime.note_routing(layer, experts, tokens, counts)
-            runtime.run_step(layer, experts, None)
+            runtime.run_step(layer, experts, None, wait_only)
+            clock.step(link, phase, layer, header.num_layers - 1)
         elif event[0] is START:
             runtime.begin_request(event[1])
+            clock.start(link)
         else:
             runtime.end_request(event[1])
+    return clock
+
+
+def _no_compute(expert: int, view: None) -> None:
+    pass
+
+
+def _with_next(events: Iterable) -> Iterator[tuple]:
+    """Each event with the one after it (None after the last)."""
+    previous = sentinel = object()
+    for event in events:
+        if previous is not sentinel:
+            yield previous, event
+        previous = event
+    if previous is not sentinel:
+        yield previous, None
+
+
+class SimulatedLookahead:
+    """The engine's look-ahead router, simulated from the trace: it names each of the next
+    layer's experts correctly with probability `accuracy`, else another expert (seeded)."""
+
+    def __init__(self, header: TraceHeader, accuracy: float, seed: int = 0) -> None:
+        self.header = header
+        self.accuracy = accuracy
+        self.rng = random.Random(seed)
+        self.guess: list[int] = []
+
+    def routers(self) -> list:
+        return [None] + [self._router] * (self.header.num_layers - 1)
+
+    def expect(self, following: tuple | None) -> None:
+        """Guess from the step after this one, when it is the next layer of the same decode token."""
+        self.guess = []
+        if following is not None and following[0] is STEP and following[1] == "decode" and following[2] > 0:
+            truth = following[3]
+            others = [e for e in range(self.header.num_experts) if e not in truth]
+            self.guess = [e if self.rng.random() < self.accuracy or not others else others.pop(self.rng.randrange(len(others)))
+                          for e in truth]
+
+    def _router(self, hidden) -> torch.Tensor:
+        return torch.tensor([self.guess], dtype=torch.long)
+
+
+def _timing(link: Link, clock: DecodeClock, result: dict) -> dict:
+    tokens = max(1, clock.decode_tokens)
+    return {
+        "tpot_ms": round(clock.decode_ms / tokens, 4),
+        "link_gb_per_decode_token": round(link.spec.expert_bytes * result["decode_transfers"] / tokens / 1e9, 4),
+        "link": {"expert_bytes": link.spec.expert_bytes, "link_gbps": link.spec.link_gbps,
+                 "compute_ms": link.spec.compute_ms, "token_ms": link.spec.token_ms,
+                 "chunk_bytes": link.spec.chunk_bytes},
+    }
 
 
 def summarize(name: str, capacity: int, header: TraceHeader, num_requests: int, stats: dict) -> dict:
@@ -341,12 +445,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: give --policy and one of --capacity / --capacity-frac (or --sweep)", file=sys.stderr)
         return 2
     header, requests = load_trace(args.trace)
-    result = replay(header, requests, args.policy, capacity_of(header, args.capacity, args.capacity_frac), args.prefetch)
+    link = link_spec(args) if args.timed else None
+    capacity = capacity_of(header, args.capacity, args.capacity_frac)
+    result = replay(header, requests, args.policy, capacity, args.prefetch, link, args.lookahead_accuracy)
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            if key != "decode_miss_rate_per_layer":
+            if key not in ("decode_miss_rate_per_layer", "link"):
                 print(f"{key:>28}: {value}")
     return 0
 
@@ -372,12 +478,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity", type=int, help="cache slots, counted in experts over all layers")
     parser.add_argument("--capacity-frac", type=float, help="cache slots as a fraction of L × E")
     parser.add_argument("--prefetch", action="store_true", help="let the policy prefetch after each layer")
+    parser.add_argument("--lookahead-accuracy", type=float, default=None, metavar="P",
+                        help="with --prefetch: simulate the engine's look-ahead guess, right for a share P of experts")
+    timed = parser.add_argument_group("timed replay (cache.timed): simulated TPOT; defaults: Mixtral-8x7B "
+                                      "bf16 experts on a 24 GB card over PCIe 4.0 x16")
+    timed.add_argument("--timed", action="store_true", help="simulate the link and the compute; report TPOT")
+    timed.add_argument("--expert-mb", type=float, default=LinkSpec.expert_bytes / 1e6, help="bytes per expert, in MB")
+    timed.add_argument("--link-gbps", type=float, default=LinkSpec.link_gbps, help="host→device GB/s")
+    timed.add_argument("--compute-ms", type=float, default=LinkSpec.compute_ms,
+                       help="one MoE layer of one decode token with its experts resident")
+    timed.add_argument("--token-ms", type=float, default=LinkSpec.token_ms, help="per token outside the MoE layers")
+    timed.add_argument("--chunk-mb", type=float, default=0.0, help="copy granularity (0: whole experts)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--sweep", action="store_true", help="every policy at every --fracs capacity")
     parser.add_argument("--fracs", default=",".join(str(f) for f in DEFAULT_FRACS))
     parser.add_argument("--out", help="sweep output folder (default bench/out/<trace name>)")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="sweep processes")
     return parser
+
+
+def link_spec(args: argparse.Namespace) -> LinkSpec:
+    return LinkSpec(
+        expert_bytes=round(args.expert_mb * 1e6), link_gbps=args.link_gbps, compute_ms=args.compute_ms,
+        token_ms=args.token_ms, chunk_bytes=round(args.chunk_mb * 1e6),
+    )
 
 
 def _policy_names() -> list[str]:
