@@ -48,15 +48,16 @@ class ExpertRuntime:
         if self.recorder is not None:
             self.recorder.end_request()
 
-    def on_routing(self, layer: int, top_k_index: torch.Tensor) -> list[int]:
-        """Record one router decision (`top_k_index` [T, k]); return the sorted experts needed."""
+    def on_routing(self, layer: int, top_k_index: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+        """Record one router decision (`top_k_index` [T, k]); return the sorted experts needed
+        and the index rows, on the host."""
         index_rows = top_k_index.tolist()  # one device sync per layer: the loads depend on it
         counts = Counter(e for row in index_rows for e in row)
         needed = sorted(counts)
         self.note_routing(layer, needed, len(index_rows), [counts[e] for e in needed])
         if self.recorder is not None:
             self.recorder.record(self.phase, layer, index_rows)
-        return needed
+        return needed, index_rows
 
     def note_routing(self, layer: int, needed: list[int], tokens: int, counts: Sequence[int] | None) -> None:
         """Protect the step's experts, then tell the policy what `layer`'s router picked

@@ -34,28 +34,28 @@ class OffloadedExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        needed = self.runtime.on_routing(self.moe_layer, top_k_index)
+        needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index)
         out = torch.zeros_like(hidden)  # [T, H]
+        if len(rows) == 1:  # decode: each expert's top-k position is known on the host, no sync per expert
+            position = {expert: k for k, expert in enumerate(rows[0])}
 
-        def add(expert: int, flat: torch.Tensor) -> None:
-            self._add_expert(out, flat, expert, hidden, top_k_index, top_k_weights)
+            def add(expert: int, flat: torch.Tensor) -> None:
+                k = position[expert]
+                out.add_((self._expert(flat, hidden) * top_k_weights[:, k, None]).to(out.dtype))
+        else:
+
+            def add(expert: int, flat: torch.Tensor) -> None:
+                token_idx, k_pos = torch.where(top_k_index == expert)
+                y = self._expert(flat, hidden[token_idx]) * top_k_weights[token_idx, k_pos, None]
+                out.index_add_(0, token_idx, y.to(out.dtype))
 
         self.runtime.run_step(self.moe_layer, needed, hidden, add)
         return out
 
-    def _add_expert(
-        self,
-        out: torch.Tensor,
-        flat: torch.Tensor,
-        expert: int,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> None:
+    def _expert(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One expert (`flat`: its slot, gate | up | down) on tokens `x` [t, H] → [t, H], as transformers' eager path."""
         h, i = self.shape.hidden, self.shape.intermediate
         gate_up = flat[: 2 * i * h].view(2 * i, h)  # [2I, H]
         down = flat[2 * i * h :].view(h, i)  # [H, I]
-        token_idx, k_pos = torch.where(top_k_index == expert)
-        gate, up = F.linear(hidden[token_idx], gate_up).chunk(2, dim=-1)
-        y = F.linear(self.act_fn(gate) * up, down) * top_k_weights[token_idx, k_pos, None]
-        out.index_add_(0, token_idx, y.to(out.dtype))
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, down)

@@ -58,7 +58,7 @@ def decode_with_perfect_lookahead(policy: str, prefetch: bool) -> tuple[dict, in
         step[0] = s
         for layer in range(L):
             evicted_now.clear()
-            needed = runtime.on_routing(layer, torch.tensor([plan[s][layer]]))
+            needed, _ = runtime.on_routing(layer, torch.tensor([plan[s][layer]]))
             runtime.run_step(layer, needed, torch.zeros(1, 4))
             harmful += sum((layer, e) in evicted_now for e in needed)
     runtime.end_request("r")
@@ -110,9 +110,9 @@ def test_a_prefetch_between_the_router_and_the_load_cannot_evict_the_steps_exper
     runtime.begin_request("r")
     runtime.phase = "decode"
     for layer in (0, 1, 0, 1):  # (0, 3) and (1, 4) resident, each used one pass ago
-        needed = runtime.on_routing(layer, torch.tensor([[3 + layer]]))
+        needed, _ = runtime.on_routing(layer, torch.tensor([[3 + layer]]))
         runtime.run_step(layer, needed, None)
-    needed = runtime.on_routing(0, torch.tensor([[3]]))
+    needed, _ = runtime.on_routing(0, torch.tensor([[3]]))
     cache.policy.on_lookahead(1, [6])
     cache.prefetch((1, 6))  # the guess may displace something, but not (0, 3), about to be used
     assert cache.is_resident((0, 3))
