@@ -94,6 +94,22 @@ class SlotBackend:
     def view(self, slot: int) -> torch.Tensor:
         return self.slots[slot]
 
+    def measure_copy_ms(self, key: ExpertKey, repeats: int = 3) -> float:
+        """The time of one expert's host→device copy on this link (median of `repeats`), in ms.
+
+        Uses slot 0 before the cache holds anything (at start-up).
+        """
+        with self.host.hold(key) as src:
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.slots[0].copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
     def wait(self, slot: int) -> None:
         done = self._loaded.pop(slot, None) if self.cuda else None
         if done is not None:

@@ -9,13 +9,21 @@ Loads go through `ExpertCache.prefetch`, which refuses to displace anything the 
 values more, so a prefetch never evicts an expert needed sooner. On CUDA the copy is
 already asynchronous (side stream); on CPU a background thread does the copying. Newer
 predictions replace older ones that have not started yet.
+
+With a `PrefetchCost` a guess is issued only when it is likely enough to pay for its
+bytes: the copies that fit in the compute window of the layer are free; one reaching
+past it must be likely enough to save more than it delays (`PrefetchCost.worth`). The
+chance of a guess is its source's (look-ahead, policy) recent accuracy at that layer,
+scored online on every guess, issued or not. Without a cost every guess is issued.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,16 +36,70 @@ PREFETCH_LIMIT_PER_TOP_K = 2  # most prefetches issued after one layer, in units
 Router = Callable[[torch.Tensor], torch.Tensor]  # hidden [T, H] → top-k expert ids [T, k]
 
 
+@dataclass
+class PrefetchCost:
+    """What one prefetched expert costs and can save, in ms.
+
+    `copy_ms`: its copy over the link. `overlap_ms`: the compute of one layer, between the
+    prefetch and the next layer's demand copies. Link time inside that window is free: a
+    wrong guess there delays nothing. A copy reaching past it delays the next layer's
+    demand copies by the part beyond if the guess is wrong, and if right saves only the
+    part inside (past the window its bytes would have moved as a demand copy anyway).
+    """
+
+    copy_ms: float
+    overlap_ms: float
+    measure_overlap: bool = False  # the engine: learn `overlap_ms` from the decode steps it times
+
+    def observe_layer(self, ms: float) -> None:
+        """The measured compute of one decode layer (a running average)."""
+        self.overlap_ms = ms if self.overlap_ms <= 0 else 0.9 * self.overlap_ms + 0.1 * ms
+
+    def worth(self, chance: float, spent_ms: float) -> bool:
+        """Whether one more copy, queued behind `spent_ms` of this layer's prefetches, pays off."""
+        free = max(0.0, self.overlap_ms - spent_ms)
+        beyond = spent_ms + self.copy_ms - self.overlap_ms
+        return beyond <= 0 or chance * min(self.copy_ms, free) > (1.0 - chance) * beyond
+
+
+class SourceAccuracy:
+    """The recent share of right guesses of one source, per target layer (decayed counts)."""
+
+    def __init__(self, num_layers: int, prior: float = 0.5, prior_weight: float = 4.0, decay: float = 0.98) -> None:
+        self.right = [prior * prior_weight] * num_layers
+        self.total = [prior_weight] * num_layers
+        self.decay = decay
+
+    def score(self, layer: int, guessed: set[int], needed: list[int]) -> None:
+        self.right[layer] = self.decay * self.right[layer] + len(guessed.intersection(needed))
+        self.total[layer] = self.decay * self.total[layer] + len(guessed)
+
+    def of(self, layer: int) -> float:
+        return self.right[layer] / self.total[layer]
+
+
 class Prefetcher:
-    def __init__(self, cache: ExpertCache, routers: list[Router | None], background: bool, limit: int) -> None:
+    def __init__(
+        self,
+        cache: ExpertCache,
+        routers: list[Router | None],
+        background: bool,
+        limit: int,
+        cost: PrefetchCost | None = None,
+    ) -> None:
         self.cache = cache
         self.routers = routers  # routers[l]: MoE layer l's router, for look-ahead from layer l-1
         self.limit = limit  # most prefetches issued after one layer
+        self.cost = cost  # None: issue every guess
         self.lookahead_predicted = 0
         self.lookahead_correct = 0
+        self.held_back = 0  # guesses not issued: their source's accuracy was below break-even
         self.failures = 0  # prefetches that raised (e.g. a failed disk read); the engine carries on
-        self._guess: tuple[int, set[int]] | None = None  # (layer, experts) guessed for that layer
-        self._pending: list[ExpertKey] = []
+        self.accuracy = {"lookahead": SourceAccuracy(len(routers)), "policy": SourceAccuracy(len(routers))}
+        self._guesses: dict[str, tuple[int, set[int]]] = {}  # source → (layer, experts) guessed for that layer
+        self._pending: list[tuple[ExpertKey, float]] = []  # (key, chance), most likely first
+        self._spent = 0.0  # link ms of the pending batch's prefetches issued so far
+        self._last_mark: tuple[float, int, str] | None = None  # (time, misses, phase) at the last layer
         self._wake = threading.Condition()
         self._closed = False
         self._thread = None
@@ -46,15 +108,34 @@ class Prefetcher:
             self._thread.start()
 
     def after_routing(self, layer: int, hidden: torch.Tensor | None, needed: list[int], phase: str) -> None:
-        self._score_guess(layer, needed)
-        keys: list[ExpertKey] = []
+        self._score_guesses(layer, needed)
+        if self.cost is not None and self.cost.measure_overlap:
+            self._time_layer(phase)
+        guesses: dict[ExpertKey, float] = {}  # key → its source's recent accuracy at that layer
         if phase == "decode" and layer + 1 < len(self.routers) and self.routers[layer + 1] is not None:
             guess = sorted(set(self.routers[layer + 1](hidden).flatten().tolist()))
-            self._guess = (layer + 1, set(guess))
+            self._guesses["lookahead"] = (layer + 1, set(guess))
             self.cache.policy.on_lookahead(layer + 1, guess)  # so the cache admits them
-            keys += [(layer + 1, e) for e in guess]
-        keys += [k for k in self.cache.policy.prefetch_candidates(layer) if k not in keys]
-        self._submit(keys[: self.limit])
+            chance = self.accuracy["lookahead"].of(layer + 1)
+            guesses.update({(layer + 1, e): chance for e in guess})
+        candidates = self.cache.policy.prefetch_candidates(layer)
+        nearest = [k for k in candidates if k[0] == (layer + 1) % len(self.routers)]
+        if nearest:
+            self._guesses["policy"] = (nearest[0][0], {e for _, e in nearest})
+        for key in candidates:
+            guesses.setdefault(key, self.accuracy["policy"].of(key[0]))
+        ranked = sorted(guesses.items(), key=lambda item: -item[1])  # most likely first (stable)
+        self._submit(ranked[: self.limit])
+
+    def _time_layer(self, phase: str) -> None:
+        """Time from one decode layer's prefetch point to the next one's, less the link time of
+        the demand copies in between (compute waits for them): one layer's compute."""
+        now, misses = time.perf_counter(), self.cache.stats.totals()["misses"]
+        last, self._last_mark = self._last_mark, (now, misses, phase)
+        if last is not None and phase == "decode" and last[2] == "decode":
+            compute_ms = 1000 * (now - last[0]) - (misses - last[1]) * self.cost.copy_ms
+            if compute_ms > 0:
+                self.cost.observe_layer(compute_ms)
 
     def close(self) -> None:
         with self._wake:
@@ -67,19 +148,25 @@ class Prefetcher:
     def lookahead_accuracy(self) -> float | None:
         return self.lookahead_correct / self.lookahead_predicted if self.lookahead_predicted else None
 
-    def _score_guess(self, layer: int, needed: list[int]) -> None:
-        if self._guess is not None and self._guess[0] == layer:
-            self.lookahead_predicted += len(self._guess[1])
-            self.lookahead_correct += len(self._guess[1].intersection(needed))
-            self._guess = None
+    def _score_guesses(self, layer: int, needed: list[int]) -> None:
+        for source, (target, guessed) in list(self._guesses.items()):
+            if target != layer:
+                continue
+            self.accuracy[source].score(layer, guessed, needed)
+            if source == "lookahead":
+                self.lookahead_predicted += len(guessed)
+                self.lookahead_correct += len(guessed.intersection(needed))
+            del self._guesses[source]
 
-    def _submit(self, keys: list[ExpertKey]) -> None:
+    def _submit(self, guesses: list[tuple[ExpertKey, float]]) -> None:
         if self._thread is None:
-            for key in keys:
-                self._prefetch(key)
+            spent = 0.0
+            for key, chance in guesses:
+                spent = self._prefetch(key, chance, spent)
             return
         with self._wake:
-            self._pending = keys  # supersedes what the last layer asked for
+            self._pending = list(guesses)  # supersedes what the last layer asked for
+            self._spent = 0.0
             self._wake.notify()
 
     def _work(self) -> None:
@@ -89,16 +176,25 @@ class Prefetcher:
                     self._wake.wait()
                 if self._closed:
                     return
-                key = self._pending.pop(0)
-            self._prefetch(key)
+                key, chance = self._pending.pop(0)
+                spent = self._spent
+            spent = self._prefetch(key, chance, spent)
+            with self._wake:
+                self._spent = spent
 
-    def _prefetch(self, key: ExpertKey) -> None:
-        """One prefetch; a failure is counted and logged, never fatal: a prefetch is only a guess."""
+    def _prefetch(self, key: ExpertKey, chance: float, spent_ms: float) -> float:
+        """One prefetch, if it pays (see `PrefetchCost`); the link time spent on this layer's
+        prefetches after it. A failure is counted and logged, never fatal: it was only a guess."""
+        if self.cost is not None and not self.cost.worth(chance, spent_ms):
+            self.held_back += 1
+            return spent_ms
         try:
-            self.cache.prefetch(key)
+            if self.cache.prefetch(key) and self.cost is not None:
+                spent_ms += self.cost.copy_ms
         except Exception as exc:
             self.failures += 1
             if self.failures == 1:
                 log.warning("prefetching expert %s failed; counting further failures quietly", key, exc_info=True)
             else:
                 log.debug("prefetching expert %s failed: %s", key, exc)
+        return spent_ms

@@ -35,7 +35,7 @@ import torch
 import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
 from cache.expert_cache import DryRunBackend, ExpertCache
 from cache.policy import POLICIES, ExpertKey, Policy, first_unprotected, make_policy
-from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, Prefetcher
+from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
 from cache.runtime import ExpertRuntime, chunks
 from cache.stats import CacheStats
 from cache.timed import Link, LinkSpec, TimedBackend
@@ -161,12 +161,14 @@ def replay(
     prefetch: bool = False,
     link: LinkSpec | None = None,
     lookahead_accuracy: float | None = None,
+    gate: bool = True,
 ) -> dict:
     """Run the trace through `ExpertCache` + policy; the counts of the DESIGN.md contract.
 
     `link`: also simulate time (`cache.timed`) and report TPOT. `lookahead_accuracy`: with
     prefetch, guess each decode step's next layer as the engine's look-ahead router does,
     right for that share of its experts (the trace holds no hidden states to apply a router to).
+    `gate`: with a link, prefetch only while guesses are accurate enough to pay (`PrefetchCost`).
     """
     started = time.perf_counter()
     if isinstance(policy, str):
@@ -174,7 +176,8 @@ def replay(
     stats = {"prefill": CacheStats(header.num_layers), "decode": CacheStats(header.num_layers)}
     backend = DryRunBackend(bytes_per_expert=1) if link is None else TimedBackend(Link(link))
     cache = ExpertCache(capacity, policy, stats["decode"], backend)
-    clock = _drive(cache, header, iter_steps(header, requests), stats, prefetch, lookahead_accuracy)
+    cost = PrefetchCost(link.copy_ms(link.expert_bytes), link.compute_ms) if link is not None and gate else None
+    clock = _drive(cache, header, iter_steps(header, requests), stats, prefetch, lookahead_accuracy, cost)
     result = summarize(policy.name, capacity, header, len(requests), stats)
     result["prefetch"] = prefetch
     if link is not None:
@@ -208,14 +211,14 @@ class DecodeClock:
 
 
 def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch: bool,
-           lookahead_accuracy: float | None) -> DecodeClock:
+           lookahead_accuracy: float | None, cost: PrefetchCost | None) -> DecodeClock:
     """Each step through `ExpertRuntime.run_step`, as the engine runs it (prefetch at the same point)."""
     runtime = ExpertRuntime(cache, header.num_layers, header.num_experts, header.top_k)
     lookahead = SimulatedLookahead(header, lookahead_accuracy) if lookahead_accuracy is not None else None
     if prefetch:
         routers = lookahead.routers() if lookahead else [None] * header.num_layers
         runtime.prefetcher = Prefetcher(cache, routers, background=False,
-                                        limit=PREFETCH_LIMIT_PER_TOP_K * header.top_k)
+                                        limit=PREFETCH_LIMIT_PER_TOP_K * header.top_k, cost=cost)
     link = getattr(cache.backend, "link", None)
     clock = DecodeClock()
     wait_only = None if link is None else _no_compute  # with a link, `run_step` waits for each copy
@@ -447,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header, requests = load_trace(args.trace)
     link = link_spec(args) if args.timed else None
     capacity = capacity_of(header, args.capacity, args.capacity_frac)
-    result = replay(header, requests, args.policy, capacity, args.prefetch, link, args.lookahead_accuracy)
+    result = replay(header, requests, args.policy, capacity, args.prefetch, link, args.lookahead_accuracy,
+                    gate=not args.no_prefetch_gate)
     if args.json:
         print(json.dumps(result))
     else:
@@ -489,6 +493,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="one MoE layer of one decode token with its experts resident")
     timed.add_argument("--token-ms", type=float, default=LinkSpec.token_ms, help="per token outside the MoE layers")
     timed.add_argument("--chunk-mb", type=float, default=0.0, help="copy granularity (0: whole experts)")
+    timed.add_argument("--no-prefetch-gate", action="store_true",
+                       help="issue every guess, however inaccurate (the engine before the cost gate)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--sweep", action="store_true", help="every policy at every --fracs capacity")
     parser.add_argument("--fracs", default=",".join(str(f) for f in DEFAULT_FRACS))

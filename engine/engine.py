@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConf
 
 from cache.eamc import EAMC
 from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
-from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, Prefetcher
+from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
 from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
@@ -88,13 +88,23 @@ class Engine:
             # CUDA copies are already async on a side stream; disk reads of a bounded RAM tier are not
             background = self.device.type != "cuda" or not self.loaded.host.fully_resident
             limit = PREFETCH_LIMIT_PER_TOP_K * runtime.top_k
-            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit)
+            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit, self._prefetch_cost())
         if hasattr(runtime.policy, "eamc"):
             self._eamc_saver = _eamc_saver(self, runtime.policy)
         if config.record_trace:
             runtime.recorder = TraceWriter(
                 config.record_trace, self.model_name, runtime.num_layers, runtime.num_experts, runtime.top_k
             )
+
+    def _prefetch_cost(self) -> PrefetchCost | None:
+        """On CUDA: a guess must pay for its copy (copy time measured now, compute learned
+        while decoding). On CPU experts are computed where they lie; a prefetch only reads
+        ahead from disk on a thread of its own, so every guess is issued."""
+        if self.device.type != "cuda":
+            return None
+        copy_ms = self.runtime.cache.backend.measure_copy_ms(next(iter(self.loaded.host.sources)))
+        log.info("one expert's copy to the device takes %.2f ms; prefetch only what pays for that", copy_ms)
+        return PrefetchCost(copy_ms, overlap_ms=0.0, measure_overlap=True)
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -98,7 +98,7 @@ def test_a_failed_prefetch_is_counted_and_prefetching_goes_on(background):
     cache = FlakyCache(failures=2)
     prefetcher = Prefetcher(cache, [None, None], background=background, limit=4)
     for expert in (5, 6, 7):  # two fail, the third loads on the same (still living) thread
-        prefetcher._submit([(1, expert)])
+        prefetcher._submit([((1, expert), 1.0)])
         assert cache.attempted.acquire(timeout=5)
     prefetcher.close()
     assert prefetcher.failures == 2

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cache.prefetcher import PrefetchCost
 from cache.replay import replay
 from cache.timed import Link, LinkSpec
 from cache.trace import TraceHeader, TraceRequest, write_trace
@@ -84,7 +85,7 @@ def test_right_guesses_hide_copies_behind_compute_and_wrong_ones_cost_link_time(
     assert right["tpot_ms"] < 0.8 * off["tpot_ms"]
     slow_link = LinkSpec(expert_bytes=100 * MB, link_gbps=10.0, compute_ms=1.0)  # 10 ms copies, 1 ms layers
     off = replay(header, requests, "lru", 8, link=slow_link)
-    wrong = replay(header, requests, "lru", 8, prefetch=True, link=slow_link, lookahead_accuracy=0.0)
+    wrong = replay(header, requests, "lru", 8, prefetch=True, link=slow_link, lookahead_accuracy=0.0, gate=False)
     assert wrong["link_gb_per_decode_token"] > off["link_gb_per_decode_token"]
     assert wrong["tpot_ms"] > off["tpot_ms"]
 
@@ -94,9 +95,41 @@ def test_the_timed_replay_cli_on_a_short_trace(tmp_path):
     write_trace(tmp_path / "t.jsonl", header, requests)
     out = subprocess.run(
         [sys.executable, "-m", "cache.replay", str(tmp_path / "t.jsonl"), "--policy", "sparsity-aware",
-         "--capacity-frac", "0.25", "--timed", "--prefetch", "--lookahead-accuracy", "0.7", "--json"],
+         "--capacity-frac", "0.25", "--timed", "--prefetch", "--lookahead-accuracy", "0.7", "--expert-mb", "17.3",
+         "--json"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout
     result = json.loads(out)
     assert result["tpot_ms"] > 4 * LinkSpec().compute_ms  # at least the compute of 4 layers
-    assert result["link"]["link_gbps"] == LinkSpec().link_gbps and result["prefetches"] > 0
+    assert result["link"]["expert_bytes"] == 17_300_000 and result["prefetches"] > 0
+
+
+def test_a_prefetch_inside_the_compute_window_is_free_and_one_reaching_past_it_must_be_likely():
+    cost = PrefetchCost(copy_ms=6.4, overlap_ms=1.6)  # Mixtral-size experts on PCIe 5
+    assert not cost.worth(0.7, spent_ms=0.0)  # 0.7 × 1.6 < 0.3 × 4.8
+    assert cost.worth(0.8, spent_ms=0.0)
+    assert not cost.worth(0.99, spent_ms=6.4)  # past the window a right guess saves nothing
+    small = PrefetchCost(copy_ms=0.5, overlap_ms=1.6)  # DeepSeek-V2-Lite-size experts
+    assert small.worth(0.0, spent_ms=1.0)  # still inside the window: free even if wrong
+    assert not small.worth(0.3, spent_ms=1.4)
+
+
+def test_the_gate_holds_back_poor_guesses_and_lets_good_ones_through():
+    header, requests = random_routing(200)
+    slow_link = LinkSpec(expert_bytes=100 * MB, link_gbps=10.0, compute_ms=1.0)  # 10 ms copies, 1 ms layers
+    off = replay(header, requests, "lru", 8, link=slow_link)
+    wrong = replay(header, requests, "lru", 8, prefetch=True, link=slow_link, lookahead_accuracy=0.3)
+    assert wrong["prefetches"] == 0 and wrong["tpot_ms"] == off["tpot_ms"]
+    fast_link = LinkSpec(expert_bytes=10 * MB, link_gbps=10.0, compute_ms=3.0)  # 1 ms copies, 3 ms layers
+    off = replay(header, requests, "lru", 8, link=fast_link)
+    right = replay(header, requests, "lru", 8, prefetch=True, link=fast_link, lookahead_accuracy=0.9)
+    assert right["prefetches"] > 0 and right["tpot_ms"] < off["tpot_ms"]
+
+
+def test_the_engine_learns_the_compute_window_from_decode_layers_net_of_demand_copies():
+    cost = PrefetchCost(copy_ms=2.0, overlap_ms=0.0, measure_overlap=True)
+    assert not cost.worth(0.99, spent_ms=0.0)  # nothing measured yet: no prefetch
+    for ms in (5.0, 5.0, 5.0):
+        cost.observe_layer(ms)
+    assert cost.overlap_ms == pytest.approx(5.0)
+    assert cost.worth(0.0, spent_ms=0.0)
