@@ -65,6 +65,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token plus that many
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
 
     def __post_init__(self) -> None:
         checks = [
@@ -90,6 +91,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ChatTemplateInfo:
+    """What the model's chat template can do: the server picks its tool handling from this."""
+
+    supports_tools: bool  # the template renders a `tools` list
+    source: str  # the template text (tells a tool-call format apart, e.g. `<tool_call>`)
+    model_type: str  # the checkpoint's config.model_type
 
 
 @dataclass(frozen=True)

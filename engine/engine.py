@@ -27,6 +27,7 @@ from engine.api import (
     InvalidRequestError,
     Usage,
 )
+from engine.chat_messages import prepare_messages, template_info
 from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
@@ -62,6 +63,8 @@ class Engine:
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or _model_max_len(loaded.config)
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
+        self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
+                                                loaded.config.model_type)
         self.last_times = StepTimes()
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
@@ -100,21 +103,25 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids; `tools` (OpenAI function definitions) only for a template that takes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
-        normalised = [_normalise_message(m, i) for i, m in enumerate(messages)]
-        if not normalised:
-            raise InvalidRequestError("messages must not be empty", param="messages")
+        supports_tools = self.chat_template_info.supports_tools
+        if tools and not supports_tools:
+            raise InvalidRequestError("this model's chat template cannot take tools", param="tools")
+        normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._tokenizer_lock:
             try:
-                text = self.tokenizer.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(
+                    normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
+                )
             except Exception as e:  # the template's own checks, e.g. roles that must alternate
                 raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -142,7 +149,7 @@ class Engine:
         params, prompt = request.params, request.prompt_token_ids
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
         sampler = Sampler(params, prompt, self.vocab_size, self.device)
-        detokenizer = IncrementalDetokenizer(self.decode)
+        detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens))
         stops = StopStringMatcher(params.stop)
         times = self.last_times = StepTimes(start=time.perf_counter())
         self.runtime.begin_request(request.request_id)
@@ -313,35 +320,6 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def _normalise_message(message: dict, index: int) -> dict:
-    role, content = message.get("role"), message.get("content")
-    if role not in ("system", "user", "assistant", "developer"):
-        raise InvalidRequestError(
-            f"messages[{index}].role must be system, user or assistant", param=f"messages[{index}].role"
-        )
-    if role == "developer":
-        role = "system"
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise InvalidRequestError(
-                    f"messages[{index}].content: only text parts are supported",
-                    param=f"messages[{index}].content",
-                )
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise InvalidRequestError(
-            f"messages[{index}].content must be a string or text parts", param=f"messages[{index}].content"
-        )
-    return {"role": role, "content": content}
 
 
 def _with_usage(event: GenerationEvent, usage: Usage) -> GenerationEvent:
