@@ -1,0 +1,23 @@
+"""Hermes style, used by Qwen2/2.5/3: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`."""
+
+from __future__ import annotations
+
+from server.tool_parsers.base import Match, ToolParser, function_call, loads, malformed
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    markers = (OPEN,)
+
+    def match(self, text: str, final: bool) -> Match | None:
+        close = text.find(CLOSE)
+        if close < 0 and not final:
+            return None
+        end = len(text) if close < 0 else close + len(CLOSE)  # an unclosed call at the end: parse what is there
+        body = loads(text[len(OPEN): close if close >= 0 else len(text)].strip())
+        if not isinstance(body, dict):
+            return malformed(text, end)
+        call = function_call(body.get("name"), body.get("arguments", body.get("parameters", {})))
+        return Match(end, (call,)) if call else malformed(text, end)
