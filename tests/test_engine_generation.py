@@ -128,3 +128,18 @@ def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_to
     assert tokens(small) == tokens(engine)
     assert small.loaded.host.disk_reads > reads_before
     small.close()
+
+
+def test_special_tokens_are_kept_in_the_text_only_when_asked(engine):
+    prompt = engine.encode(PROMPT)
+    bos = engine.tokenizer.bos_token_id  # a special token, as Mistral's [TOOL_CALLS] is
+    skipped, _ = run(engine, prompt, temperature=0, max_tokens=3, logit_bias={bos: 100})
+    kept, _ = run(engine, prompt, temperature=0, max_tokens=3, logit_bias={bos: 100}, skip_special_tokens=False)
+    assert (skipped, kept) == ("", "<s><s><s>")
+
+
+def test_tools_are_refused_by_a_template_that_cannot_take_them(engine):
+    assert not engine.chat_template_info.supports_tools
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(InvalidRequestError, match="cannot take tools"):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}], tools)
