@@ -66,6 +66,7 @@ class SamplingParams:
     top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token plus that many
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
+    grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
 
     def __post_init__(self) -> None:
         checks = [

@@ -30,6 +30,7 @@ from engine.api import (
 from engine.chat_messages import prepare_messages, template_info
 from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
+from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.model_loader import CacheSizing, OffloadedModel, load_offloaded_model
 from engine.paths import default_eamc_path
@@ -66,6 +67,7 @@ class Engine:
         self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
                                                 loaded.config.model_type)
         self.last_times = StepTimes()
+        self._grammar_tokenizer = GrammarTokenizer(tokenizer, self.vocab_size, self.eos_ids)
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_text = tokenizer.decode(self._anchor)
@@ -137,6 +139,8 @@ class Engine:
             raise InvalidRequestError(
                 f"logit_bias names token ids outside the vocabulary: {bad[:5]}", param="logit_bias"
             )
+        if params.grammar is not None:
+            check_grammar(params.grammar)
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
@@ -148,7 +152,10 @@ class Engine:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
-        sampler = Sampler(params, prompt, self.vocab_size, self.device)
+        constraint = None
+        if params.grammar is not None:
+            constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device)
+        sampler = Sampler(params, prompt, self.vocab_size, self.device, constraint)
         detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens))
         stops = StopStringMatcher(params.stop)
         times = self.last_times = StepTimes(start=time.perf_counter())

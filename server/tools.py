@@ -2,8 +2,9 @@
 
 A template that renders tools gets them and its output is read back by the parser of its
 family. A template that cannot take tools answers as a plain chat, with a warning, unless the
-request insists on a call (`required` or a named function): that is a 400. Forcing a call on a
-tool-capable template needs constrained decoding, which this server does not have yet: also a 400.
+request insists on a call (`required` or a named function): that is a 400. On a template with
+tools, a forced call is met by a grammar the engine decodes under: the output is exactly one
+valid call (to the named function, or to any of the tools), for formats that have a grammar.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ class ToolPlan:
     allowed_names: frozenset[str] = frozenset()
     max_calls: int | None = None  # 1 with parallel_tool_calls: false
     warning: str | None = None  # for the response header and the log
+    grammar: str | None = None  # forces the output to be one valid call
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         """The request's params, keeping special tokens in the text where the parser reads them."""
+        if self.grammar is not None:
+            params = replace(params, grammar=self.grammar)
         if self.parser is not None and self.parser.needs_special_tokens:
-            return replace(params, skip_special_tokens=False)
+            params = replace(params, skip_special_tokens=False)
         return params
 
     def stream(self) -> ToolCallStream | None:
@@ -54,16 +58,21 @@ def plan_tools(request: p.ChatCompletionRequest, template: ChatTemplateInfo, par
                                       f"tool_choice {_describe(choice)} cannot be met", param="tool_choice")
         return ToolPlan(warning=f"this model's chat template cannot take tools: the {len(tools)} tools were not "
                         "offered and the request was answered as a plain chat")
-    if forced is not None:
-        raise InvalidRequestError(f"tool_choice {_describe(choice)} is not supported yet (it needs constrained "
-                                  "decoding); use 'auto'", param="tool_choice", code="unsupported_tool_choice")
     definitions = [tool.model_dump(exclude_none=True) for tool in tools]
     name = detect_parser(template) if parser_name == "auto" else parser_name
-    if name is None:
+    parser = PARSERS[name](definitions) if name is not None else None
+    allowed = frozenset(t.function.name for t in tools)
+    if forced is not None:
+        grammar = parser.call_grammar(definitions, None if forced == "*" else forced) if parser else None
+        if grammar is None:
+            raise InvalidRequestError(f"tool_choice {_describe(choice)} is not supported for this model's tool-call "
+                                      f"format ({name or 'unknown'}) yet; use 'auto'", param="tool_choice",
+                                      code="unsupported_tool_choice")
+        return ToolPlan(tools=definitions, parser=parser, allowed_names=allowed, max_calls=1, grammar=grammar)
+    if parser is None:
         return ToolPlan(tools=definitions, warning="no tool-call parser is known for this model: the tools were "
                         "offered but calls come back as text; set --tool-call-parser")
-    return ToolPlan(tools=definitions, parser=PARSERS[name](definitions),
-                    allowed_names=frozenset(t.function.name for t in tools),
+    return ToolPlan(tools=definitions, parser=parser, allowed_names=allowed,
                     max_calls=1 if request.parallel_tool_calls is False else None)
 
 

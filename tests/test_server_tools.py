@@ -57,6 +57,7 @@ class RecordedEngine:
         self.output = ""
         self.tools: list[dict] | None = None
         self.messages: list[dict] = []
+        self.params = None
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         self.messages, self.tools = messages, tools
@@ -66,6 +67,7 @@ class RecordedEngine:
         pass
 
     def generate(self, request: GenerationRequest, should_abort: Callable[[], bool]) -> Iterator[GenerationEvent]:
+        self.params = request.params
         pieces = token_texts(self.output)
         for piece in pieces:
             yield GenerationEvent(piece, (1,))
@@ -175,9 +177,6 @@ def test_history_with_tool_calls_reaches_the_engine(recorded):
 
 
 @pytest.mark.parametrize("body, code, needle", [
-    ({"tool_choice": "required"}, "unsupported_tool_choice", "not supported yet"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "unsupported_tool_choice",
-     "not supported yet"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "not among the tools"),
     ({"tool_choice": "sometimes"}, None, ""),
     ({"tools": [{"type": "retrieval"}]}, None, ""),
@@ -190,6 +189,25 @@ def test_bad_or_unmet_tool_requests_are_400(recorded, body, code, needle):
     error = response.json()["error"]
     assert error["code"] == code and needle in error["message"]
     assert error["param"].startswith(next(iter(body)))
+
+
+@pytest.mark.parametrize("choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+def test_a_forced_call_decodes_under_a_grammar_of_the_offered_calls(recorded, choice, names):
+    engine, client, _ = recorded
+    engine.output = TWO_CALLS
+    full = client.chat.completions.create(model="recorded", messages=ASK, tools=TOOLS, tool_choice=choice)
+    assert engine.tools == TOOLS and engine.params.grammar.startswith('start: "<tool_call>')
+    assert {n for n in ("get_weather", "get_time") if f'"const": "{n}"' in engine.params.grammar} == names
+    assert len(full.choices[0].message.tool_calls) == 1  # the grammar makes one call
+
+
+def test_no_grammar_without_a_forced_call(recorded):
+    engine, client, _ = recorded
+    client.chat.completions.create(model="recorded", messages=ASK, tools=TOOLS)
+    assert engine.params.grammar is None and engine.params.skip_special_tokens  # Hermes tags are plain text
 
 
 # -- a real model with a tool template ------------------------------------------------------
@@ -230,6 +248,31 @@ def test_tool_history_round_trip_streamed_and_not(qwen):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == (full.choices[0].message.content or "")
     assert full.choices[0].finish_reason == chunks[-2].choices[0].finish_reason
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "description": "Temperature unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {  # closed: nothing to invent
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_forced_call_on_a_random_model_is_a_valid_call(qwen, choice):
+    client, _ = qwen
+    kwargs = {"model": "tiny-qwen", "messages": ASK, "tools": [UNIT, CLOCK], "tool_choice": choice, "max_tokens": 60}
+    with client.chat.completions.stream(**kwargs, temperature=0) as stream:
+        final = stream.get_final_completion()
+    full = client.chat.completions.create(**kwargs, temperature=1.0, seed=3)
+    for completion in (final, full):
+        choice_ = completion.choices[0]
+        assert choice_.finish_reason == "tool_calls" and not choice_.message.content
+        (call,) = choice_.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert (call.function.name, arguments) in (("set_unit", {"unit": "celsius"}),
+                                                   ("set_unit", {"unit": "fahrenheit"}), ("get_time", {}))
+        if isinstance(choice, dict):
+            assert call.function.name == "set_unit"
 
 
 def test_tool_choice_none_leaves_the_tools_out(qwen):

@@ -38,8 +38,25 @@ class ToolParser:
         With `final` (the output has ended) a Match is always returned; a malformed span is content."""
         raise NotImplementedError
 
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        """A Lark grammar (llguidance) for output that is exactly one valid call, to `name` or to any
+        of `tools`; None where this format has none yet."""
+        return None
+
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_schema(tools: list[dict], name: str | None) -> dict:
+    """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given)."""
+    options = [
+        {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+         "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+        for f in (tool["function"] for tool in tools) if name is None or f["name"] == name
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {  # one way to write it, as templates show it: no runaway blanks
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
 def malformed(text: str, end: int | None = None) -> Match:

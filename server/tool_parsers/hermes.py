@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from server.tool_parsers.base import Match, ToolParser, function_call, loads, malformed
+import json
+
+from server.tool_parsers.base import Match, ToolParser, call_schema, function_call, loads, malformed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -21,3 +23,7 @@ class HermesParser(ToolParser):
             return malformed(text, end)
         call = function_call(body.get("name"), body.get("arguments", body.get("parameters", {})))
         return Match(end, (call,)) if call else malformed(text, end)
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        schema = json.dumps(call_schema(tools, name))
+        return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {schema}\n'
