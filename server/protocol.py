@@ -1,8 +1,8 @@
 """OpenAI wire types (requests, responses, stream chunks, errors), in the shapes OpenAI uses.
 
 Requests ignore fields they do not know (clients send many; each is logged), but fields we
-know and cannot honour (`response_format` other than text, `n` > 1, ...) are refused with a
-400 that names them. What to do with `tools` is decided in server/tools.py. `to_sampling_params()` is the only way a request
+know and cannot honour (`n` > 1, `echo`, ...) are refused with a 400 that names them. What
+`tools` and `response_format` mean is decided in server/tools.py and server/structured.py. `to_sampling_params()` is the only way a request
 reaches the engine.
 """
 
@@ -80,6 +80,7 @@ class StreamOptions(OpenAIBaseModel):
 
 class ResponseFormat(OpenAIBaseModel):
     type: str
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"} with type json_schema
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -246,8 +247,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [
             ("functions", bool(self.functions), "the legacy `functions` are not supported; send `tools`"),
-            ("response_format", self.response_format is not None and self.response_format.type != "text",
-             "only response_format type 'text' is supported"),
             ("chat_template", self.chat_template is not None, "the chat template comes from the model"),
             ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
              "top_logprobs needs logprobs: true"),

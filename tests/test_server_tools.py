@@ -6,6 +6,7 @@
   history reach the template (the prompt is exactly the template's rendering).
 - A real server on a tiny random Mixtral whose template cannot take tools (like the demo model):
   Open WebUI's request shape is answered as a plain chat with a warning header.
+- `response_format` JSON, enforced by the same grammar machinery as forced calls.
 """
 
 from __future__ import annotations
@@ -273,6 +274,31 @@ def test_forced_call_on_a_random_model_is_a_valid_call(qwen, choice):
                                                    ("set_unit", {"unit": "fahrenheit"}), ("get_time", {}))
         if isinstance(choice, dict):
             assert call.function.name == "set_unit"
+
+
+PLAN = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2, 3]}},
+        "required": ["unit", "days"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_on_a_random_model_is_valid_json(qwen):
+    client, _ = qwen
+    response_format = {"type": "json_schema", "json_schema": {"name": "plan", "schema": PLAN}}
+    for seed in range(3):
+        response = client.chat.completions.create(model="tiny-qwen", messages=ASK, response_format=response_format,
+                                                  max_tokens=40, temperature=1.0, seed=seed)
+        answer = json.loads(response.choices[0].message.content)
+        assert answer["unit"] in ("celsius", "fahrenheit") and answer["days"] in (1, 2, 3) and len(answer) == 2
+        assert response.choices[0].finish_reason == "stop"
+
+
+def test_response_format_json_object_and_forced_call_do_not_mix(recorded):
+    engine, client, url = recorded
+    engine.output = '{"a": 1}'
+    client.chat.completions.create(model="recorded", messages=ASK, response_format={"type": "json_object"})
+    assert engine.params.grammar.startswith('start: %json {"type": "object"')
+    response = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": ASK, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
 
 
 def test_tool_choice_none_leaves_the_tools_out(qwen):

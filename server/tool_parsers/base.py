@@ -7,6 +7,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+# JSON written one way, as templates show it ({"a": 1, "b": 2}): an unsure model cannot run on in blanks
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 @dataclass(frozen=True)
 class FunctionCall:
@@ -55,8 +58,7 @@ def call_schema(tools: list[dict], name: str | None) -> dict:
         for f in (tool["function"] for tool in tools) if name is None or f["name"] == name
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {  # one way to write it, as templates show it: no runaway blanks
-        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    return {**schema, "x-guidance": COMPACT}
 
 
 def malformed(text: str, end: int | None = None) -> Match:
