@@ -50,14 +50,12 @@ def plan_tools(request: p.ChatCompletionRequest, template: ChatTemplateInfo, par
     tools = request.tools or []
     choice = request.tool_choice or "auto"
     forced = _forced_name(choice, tools)
-    if not tools or choice == "none":
+    if not tools:
         return ToolPlan()
-    if not template.supports_tools:
-        if forced is not None:
-            raise InvalidRequestError("this model cannot call tools: its chat template does not take them, so "
-                                      f"tool_choice {_describe(choice)} cannot be met", param="tool_choice")
-        return ToolPlan(warning=f"this model's chat template cannot take tools: the {len(tools)} tools were not "
-                        "offered and the request was answered as a plain chat")
+    if not template.supports_tools:  # said also with tool_choice none: the client may not know
+        return _plain_chat(len(tools), choice, forced)
+    if choice == "none":
+        return ToolPlan()
     definitions = [tool.model_dump(exclude_none=True) for tool in tools]
     name = detect_parser(template) if parser_name == "auto" else parser_name
     parser = PARSERS[name](definitions) if name is not None else None
@@ -74,6 +72,15 @@ def plan_tools(request: p.ChatCompletionRequest, template: ChatTemplateInfo, par
                         "offered but calls come back as text; set --tool-call-parser")
     return ToolPlan(tools=definitions, parser=parser, allowed_names=allowed,
                     max_calls=1 if request.parallel_tool_calls is False else None)
+
+
+def _plain_chat(tool_count: int, choice: str | p.NamedToolChoice, forced: str | None) -> ToolPlan:
+    """For a template without tools: a plain chat with a warning, unless a call is demanded."""
+    if forced is not None:
+        raise InvalidRequestError("this model cannot call tools: its chat template does not take them, so "
+                                  f"tool_choice {_describe(choice)} cannot be met", param="tool_choice")
+    return ToolPlan(warning=f"this model's chat template cannot take tools: the {tool_count} tools were not "
+                    "offered and the request was answered as a plain chat")
 
 
 def _forced_name(choice: str | p.NamedToolChoice, tools: list[p.ToolDefinition]) -> str | None:

@@ -345,6 +345,13 @@ def test_open_webui_request_with_30_tools_streams_a_plain_answer_with_a_warning(
     assert srv.log().count(warning) == 1  # logged once for the request
 
 
+def test_plain_template_warns_also_with_tool_choice_none(plain):
+    srv, _ = plain
+    response = srv.openai().chat.completions.with_raw_response.create(model="tiny-plain", messages=ASK, tools=TOOLS,
+                                                                      tool_choice="none", max_tokens=1)
+    assert "cannot take tools" in response.headers[WARNING_HEADER]
+
+
 def test_plain_template_renders_tool_history_as_text(plain):
     srv, tokenizer = plain
     response = srv.openai().chat.completions.with_raw_response.create(model="tiny-plain", messages=HISTORY,
