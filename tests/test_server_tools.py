@@ -19,7 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, Usage
+from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from engine.chat_messages import prepare_messages
 from engine.text_stream import IncrementalDetokenizer
 from server.testing import RemoteServer, sse_json
@@ -71,7 +71,8 @@ class RecordedEngine:
         self.params = request.params
         pieces = token_texts(self.output)
         for piece in pieces:
-            yield GenerationEvent(piece, (1,))
+            logprobs = (TokenLogprob(1, piece, -0.5),) if request.params.top_logprobs is not None else ()
+            yield GenerationEvent(piece, (1,), logprobs)
         yield GenerationEvent("", (2,), finish_reason="stop", usage=Usage(3, len(pieces) + 1))
 
     def cache_counters(self) -> dict[str, int]:
@@ -133,6 +134,15 @@ def test_stream_shows_no_markup_and_sends_each_call_as_openai_does(recorded):
     assert calls[1] == {"index": 0, "function": {"arguments": '{"city": "Paris"}'}}
     assert [c["index"] for c in calls] == [0, 0, 1, 1]
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+
+
+def test_every_tokens_logprob_is_streamed_also_while_text_is_held_back(recorded):
+    engine, client, _ = recorded
+    engine.output = TWO_CALLS
+    chunks = list(client.chat.completions.create(model="recorded", messages=ASK, tools=TOOLS, logprobs=True,
+                                                 stream=True))
+    streamed = [lp.token for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert streamed == token_texts(TWO_CALLS)
 
 
 def test_parallel_tool_calls_false_returns_one_call(recorded):
