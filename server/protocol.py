@@ -1,9 +1,9 @@
 """OpenAI wire types (requests, responses, stream chunks, errors), in the shapes OpenAI uses.
 
 Requests ignore fields they do not know (clients send many; each is logged), but fields we
-know and cannot honour (`n` > 1, `echo`, ...) are refused with a 400 that names them. What
-`tools` and `response_format` mean is decided in server/tools.py and server/structured.py. `to_sampling_params()` is the only way a request
-reaches the engine.
+know and cannot honour (`n` > 1, `echo`, ...) are refused with a 400 that names them.
+`to_sampling_params()` is the only way a request reaches the engine. What `tools` and
+`response_format` mean is decided in server/tools.py and server/structured.py.
 """
 
 from __future__ import annotations
