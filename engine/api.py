@@ -79,6 +79,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (self.top_logprobs is None or 0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (self.grammar is None or not self.ignore_eos, "ignore_eos",
+             "cannot be combined with a grammar: a finished grammar allows only end-of-sequence"),
             (
                 all(-100 <= b <= 100 for b in self.logit_bias.values()),
                 "logit_bias",

@@ -67,6 +67,11 @@ def test_a_grammar_that_does_not_compile_is_refused_before_it_runs(engine):
         engine.validate(GenerationRequest("g", prompt, SamplingParams(grammar='start: "unclosed')))
 
 
+def test_a_grammar_does_not_go_with_ignore_eos():
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(grammar='start: "a"', ignore_eos=True)
+
+
 def test_sampler_masks_what_the_grammar_forbids(engine):
     from engine.constraint import GrammarConstraint
     from engine.sampling import Sampler
