@@ -65,6 +65,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token plus that many
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
+    grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
 
     def __post_init__(self) -> None:
         checks = [
@@ -77,6 +79,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (self.top_logprobs is None or 0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (self.grammar is None or not self.ignore_eos, "ignore_eos",
+             "cannot be combined with a grammar: a finished grammar allows only end-of-sequence"),
             (
                 all(-100 <= b <= 100 for b in self.logit_bias.values()),
                 "logit_bias",
@@ -90,6 +94,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ChatTemplateInfo:
+    """What the model's chat template can do: the server picks its tool handling from this."""
+
+    supports_tools: bool  # the template renders a `tools` list
+    source: str  # the template text (tells a tool-call format apart, e.g. `<tool_call>`)
+    model_type: str  # the checkpoint's config.model_type
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,10 @@ from engine.api import (
     InvalidRequestError,
     Usage,
 )
+from engine.chat_messages import prepare_messages, template_info
 from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
+from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.model_loader import CacheSizing, OffloadedModel, load_offloaded_model
 from engine.paths import default_eamc_path
@@ -62,7 +64,10 @@ class Engine:
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or _model_max_len(loaded.config)
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
+        self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
+                                                loaded.config.model_type)
         self.last_times = StepTimes()
+        self._grammar_tokenizer = GrammarTokenizer(tokenizer, self.vocab_size, self.eos_ids)
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_text = tokenizer.decode(self._anchor)
@@ -111,21 +116,25 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids; `tools` (OpenAI function definitions) only for a template that takes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
-        normalised = [_normalise_message(m, i) for i, m in enumerate(messages)]
-        if not normalised:
-            raise InvalidRequestError("messages must not be empty", param="messages")
+        supports_tools = self.chat_template_info.supports_tools
+        if tools and not supports_tools:
+            raise InvalidRequestError("this model's chat template cannot take tools", param="tools")
+        normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._tokenizer_lock:
             try:
-                text = self.tokenizer.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(
+                    normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
+                )
             except Exception as e:  # the template's own checks, e.g. roles that must alternate
                 raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -141,6 +150,8 @@ class Engine:
             raise InvalidRequestError(
                 f"logit_bias names token ids outside the vocabulary: {bad[:5]}", param="logit_bias"
             )
+        if params.grammar is not None:
+            check_grammar(params.grammar)
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
@@ -152,8 +163,11 @@ class Engine:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
-        sampler = Sampler(params, prompt, self.vocab_size, self.device)
-        detokenizer = IncrementalDetokenizer(self.decode)
+        constraint = None
+        if params.grammar is not None:
+            constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device)
+        sampler = Sampler(params, prompt, self.vocab_size, self.device, constraint)
+        detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens))
         stops = StopStringMatcher(params.stop)
         times = self.last_times = StepTimes(start=time.perf_counter())
         self.runtime.begin_request(request.request_id)
@@ -326,35 +340,6 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def _normalise_message(message: dict, index: int) -> dict:
-    role, content = message.get("role"), message.get("content")
-    if role not in ("system", "user", "assistant", "developer"):
-        raise InvalidRequestError(
-            f"messages[{index}].role must be system, user or assistant", param=f"messages[{index}].role"
-        )
-    if role == "developer":
-        role = "system"
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise InvalidRequestError(
-                    f"messages[{index}].content: only text parts are supported",
-                    param=f"messages[{index}].content",
-                )
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise InvalidRequestError(
-            f"messages[{index}].content must be a string or text parts", param=f"messages[{index}].content"
-        )
-    return {"role": role, "content": content}
 
 
 def _with_usage(event: GenerationEvent, usage: Usage) -> GenerationEvent:

@@ -3,6 +3,7 @@
 Order: logit bias → repetition penalty (prompt and output, multiplicative, as in
 transformers) → presence/frequency penalties (output only, as OpenAI defines them) →
 greedy argmax, or temperature → top-k → top-p → min-p → a draw from a seeded generator.
+Last, a grammar constraint (engine/constraint.py) masks the tokens its grammar does not allow.
 Logprobs are reported from the model's own distribution (before any of this).
 """
 
@@ -13,13 +14,20 @@ import random
 import torch
 
 from engine.api import SamplingParams, TokenLogprob, TopLogprob
+from engine.constraint import GrammarConstraint
 
 
 class Sampler:
     def __init__(
-        self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device
+        self,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        vocab_size: int,
+        device: torch.device,
+        constraint: GrammarConstraint | None = None,
     ) -> None:
         self.params = params
+        self.constraint = constraint
         self.vocab_size = vocab_size
         self.device = device
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -38,6 +46,8 @@ class Sampler:
     def observe(self, token_id: int) -> None:
         self.output_counts[token_id] += 1
         self.seen[token_id] = True
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits` [V] of the last position → the chosen token id."""
@@ -59,6 +69,8 @@ class Sampler:
         if p.frequency_penalty or p.presence_penalty:
             scores = scores - p.frequency_penalty * self.output_counts
             scores = scores - p.presence_penalty * (self.output_counts > 0).float()
+        if self.constraint is not None:
+            scores = scores.masked_fill(~self.constraint.allowed(), float("-inf"))
         return scores
 
     def _filter(self, scores: torch.Tensor) -> torch.Tensor:

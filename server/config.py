@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine.config import DTYPES, POLICY_NAMES, EngineConfig
+from server.tool_parsers import PARSER_NAMES
 
 ENV_PREFIX = "MOE_SERVE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -34,6 +35,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # None: no authentication
     max_queue: int = 64  # requests waiting or running; beyond it, 503
+    tool_call_parser: str = "auto"  # auto: from the chat template, else the model type
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -44,6 +46,8 @@ class ServerConfig:
             raise ValueError(f"max-queue must be at least 1, not {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api-key must not be blank")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"tool-call-parser must be one of {', '.join(PARSER_NAMES)}, not {self.tool_call_parser!r}")
 
     @property
     def is_loopback(self) -> bool:
@@ -129,6 +133,8 @@ FLAGS: tuple[Flag, ...] = (
          "server answers 503 with Retry-After", "N"),
     Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens", "N",
          default_text="the model's max_position_embeddings"),
+    Flag("--tool-call-parser", ServerConfig, str, "how tool calls are read out of the model's output: "
+         "auto picks by the chat template, else the model type", choices=PARSER_NAMES),
 )
 FLAGS_BY_FIELD = {flag.field: flag for flag in FLAGS}
 # one size in two units: `--expert-cache-experts 40` overrides a preset's `expert_cache_gb: 18`

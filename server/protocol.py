@@ -1,9 +1,9 @@
 """OpenAI wire types (requests, responses, stream chunks, errors), in the shapes OpenAI uses.
 
 Requests ignore fields they do not know (clients send many; each is logged), but fields we
-know and cannot honour (`tools`, `response_format` other than text, `n` > 1, ...) are
-refused with a 400 that names them. `to_sampling_params()` is the only way a request
-reaches the engine.
+know and cannot honour (`n` > 1, `echo`, ...) are refused with a 400 that names them.
+`to_sampling_params()` is the only way a request reaches the engine. What `tools` and
+`response_format` mean is decided in server/tools.py and server/structured.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.api import InvalidRequestError, SamplingParams, TokenLogprob
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def random_id(prefix: str) -> str:
@@ -80,6 +80,7 @@ class StreamOptions(OpenAIBaseModel):
 
 class ResponseFormat(OpenAIBaseModel):
     type: str
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"} with type json_schema
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -148,6 +149,64 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise InvalidRequestError("logit_bias keys must be token ids (integers)", param="logit_bias") from None
 
 
+# -- tool calling ---------------------------------------------------------------------------
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallIn(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCallIn(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(ResponseModel):
+    _omit_unless_given = frozenset({"name", "arguments"})
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    _omit_unless_given = frozenset({"id", "type"})  # only on a call's first chunk
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 # -- chat completions -----------------------------------------------------------------------
 class ContentPart(OpenAIBaseModel):
     type: str
@@ -158,12 +217,19 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def to_engine(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = [part.model_dump(exclude_none=True) for part in content]
-        return {"role": self.role, "content": "" if content is None else content}
+        message = {"role": self.role, "content": "" if content is None else content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.role == "tool":
+            message.update(tool_call_id=self.tool_call_id, name=self.name)
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -171,19 +237,16 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
     chat_template: str | None = None
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [
-            ("tools", bool(self.tools), "tool calling is not supported"),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calling is not supported"),
-            ("functions", bool(self.functions), "function calling is not supported"),
-            ("response_format", self.response_format is not None and self.response_format.type != "text",
-             "only response_format type 'text' is supported"),
+            ("functions", bool(self.functions), "the legacy `functions` are not supported; send `tools`"),
             ("chat_template", self.chat_template is not None, "the chat template comes from the model"),
             ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
              "top_logprobs needs logprobs: true"),
@@ -231,9 +294,11 @@ class ChatChoiceLogprobs(ResponseModel):
 
 
 class AssistantMessage(ResponseModel):
+    _omit_unless_given = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class UsageInfo(ResponseModel):
@@ -260,9 +325,10 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class DeltaMessage(ResponseModel):
-    _omit_unless_given = frozenset({"role", "content"})  # the last chunk's delta is {}
+    _omit_unless_given = frozenset({"role", "content", "tool_calls"})  # the last chunk's delta is {}
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(ResponseModel):

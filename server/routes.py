@@ -11,6 +11,8 @@ from engine.api import EngineUnavailableError, GenerationRequest
 from server import protocol as p
 from server.errors import model_not_found
 from server.serving import ChatFormat, CompletionFormat, Serving
+from server.structured import with_response_format
+from server.tools import WARNING_HEADER, plan_tools
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -41,11 +43,16 @@ def _note_ignored(body: p.OpenAIBaseModel) -> None:
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
     _note_ignored(body)
     engine = ready_engine(raw, body.model)
-    params = body.to_sampling_params()
-    prompt = engine.apply_chat_template(body.engine_messages())  # the model's own template, never the request's
-    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs))
+    plan = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser)
+    params = with_response_format(plan.sampling_params(body.to_sampling_params()), body.response_format)
+    prompt = engine.apply_chat_template(body.engine_messages(), plan.tools)  # the model's own template
+    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan)
     request = GenerationRequest(fmt.id, prompt, params)
-    return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
+    response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
+    if plan.warning:
+        log.warning("request %s: %s", fmt.id, plan.warning)
+        response.headers[WARNING_HEADER] = plan.warning
+    return response
 
 
 @router.post("/v1/completions")

@@ -28,6 +28,8 @@ from engine.api import (
 from server import protocol as p
 from server.errors import APIError, to_api_error
 from server.metrics import ABORTED, ERROR, OK, ServerMetrics
+from server.tool_parsers import Piece, ToolCall, ToolCallStream
+from server.tools import ToolPlan
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,10 @@ class ChatFormat:
     want_logprobs: bool
     id: str = field(default_factory=lambda: p.random_id("chatcmpl"))
     created: int = field(default_factory=p.now)
+    tool_plan: ToolPlan = field(default_factory=ToolPlan)
+
+    def __post_init__(self) -> None:
+        self._calls = self.tool_plan.stream()  # reads tool calls out of the streamed text
 
     def _chunk(self, delta: p.DeltaMessage, logprobs=None, finish_reason=None) -> p.ChatCompletionStreamResponse:
         choice = p.ChatCompletionStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
@@ -121,12 +127,27 @@ class ChatFormat:
     def opening(self) -> list[BaseModel]:
         return [self._chunk(p.DeltaMessage(role="assistant", content=""))]
 
-    def delta(self, event: GenerationEvent, offset: int) -> BaseModel:
+    def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
         logprobs = p.ChatChoiceLogprobs.of(list(event.logprobs)) if self.want_logprobs else None
-        return self._chunk(p.DeltaMessage(content=event.text), logprobs)
+        if self._calls is None:
+            return [self._chunk(p.DeltaMessage(content=event.text), logprobs)]
+        return self._piece_chunks(self._calls.feed(event.text), logprobs)
 
-    def finish(self, finish_reason: str) -> BaseModel:
-        return self._chunk(p.DeltaMessage(), finish_reason=finish_reason)
+    def finish(self, finish_reason: str) -> list[BaseModel]:
+        rest = self._piece_chunks(self._calls.finish(), None) if self._calls else []
+        return rest + [self._chunk(p.DeltaMessage(), finish_reason=_finish_reason(finish_reason, self._calls))]
+
+    def _piece_chunks(self, pieces: list[Piece], logprobs) -> list[BaseModel]:
+        chunks: list[BaseModel] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                chunks.append(self._chunk(p.DeltaMessage(content=piece), logprobs))
+                logprobs = None
+            else:
+                chunks += [self._chunk(p.DeltaMessage(tool_calls=[delta])) for delta in _call_deltas(piece)]
+        if logprobs is not None:  # the tokens of text held back: their logprobs go out now
+            chunks.append(self._chunk(p.DeltaMessage(), logprobs))
+        return chunks
 
     def usage(self, usage: Usage | None) -> BaseModel:
         return p.ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model,
@@ -135,11 +156,36 @@ class ChatFormat:
 
     def response(self, outcome: Outcome) -> BaseModel:
         logprobs = p.ChatChoiceLogprobs.of(outcome.logprobs) if self.want_logprobs else None
-        choice = p.ChatCompletionChoice(index=0, message=p.AssistantMessage(content=outcome.text),
-                                        logprobs=logprobs, finish_reason=outcome.finish_reason)
+        calls = self.tool_plan.stream()
+        choice = p.ChatCompletionChoice(index=0, message=_message(outcome.text, calls), logprobs=logprobs,
+                                        finish_reason=_finish_reason(outcome.finish_reason, calls))
         return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
                                         system_fingerprint=self.fingerprint, choices=[choice],
                                         usage=usage_info(outcome.usage))
+
+
+def _call_deltas(call: ToolCall) -> list[p.DeltaToolCall]:
+    """A call as OpenAI streams one: id, type and name first, then the arguments."""
+    return [
+        p.DeltaToolCall(index=call.index, id=call.id, type="function",
+                        function=p.DeltaFunctionCall(name=call.name, arguments="")),
+        p.DeltaToolCall(index=call.index, function=p.DeltaFunctionCall(arguments=call.arguments)),
+    ]
+
+
+def _message(text: str, calls: ToolCallStream | None) -> p.AssistantMessage:
+    if calls is None:
+        return p.AssistantMessage(content=text)
+    content = "".join(piece for piece in calls.feed(text) + calls.finish() if isinstance(piece, str))
+    if not calls.calls:
+        return p.AssistantMessage(content=content)
+    tool_calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
+                  for c in calls.calls]
+    return p.AssistantMessage(content=content or None, tool_calls=tool_calls)
+
+
+def _finish_reason(engine_reason: str | None, calls: ToolCallStream | None) -> str | None:
+    return "tool_calls" if engine_reason == "stop" and calls is not None and calls.calls else engine_reason
 
 
 @dataclass
@@ -159,12 +205,12 @@ class CompletionFormat:
     def opening(self) -> list[BaseModel]:
         return []
 
-    def delta(self, event: GenerationEvent, offset: int) -> BaseModel:
+    def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
         logprobs = p.CompletionLogprobs.of(list(event.logprobs), offset) if self.want_logprobs else None
-        return self._chunk(event.text, logprobs)
+        return [self._chunk(event.text, logprobs)]
 
-    def finish(self, finish_reason: str) -> BaseModel:
-        return self._chunk("", finish_reason=finish_reason)
+    def finish(self, finish_reason: str) -> list[BaseModel]:
+        return [self._chunk("", finish_reason=finish_reason)]
 
     def usage(self, usage: Usage | None) -> BaseModel:
         return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
@@ -246,11 +292,13 @@ class Serving:
         async for event in submission:
             timer.observe(event)
             if event.text or event.logprobs:
-                yield fmt.delta(event, offset)
+                for chunk in fmt.delta(event, offset):
+                    yield chunk
             offset += len(event.text)
             outcome.add(event)
         _check_finished(outcome, shutdown.is_set())
-        yield fmt.finish(outcome.finish_reason)
+        for chunk in fmt.finish(outcome.finish_reason):
+            yield chunk
         if include_usage:
             yield fmt.usage(outcome.usage)
 

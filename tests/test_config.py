@@ -44,6 +44,7 @@ PRECEDENCE = [
     ("prefetch", ("--no-prefetch",), "true", "false", (False, True, False, True)),
     ("api_key", ("--api-key", "flag"), "env", "yaml", ("flag", "env", "yaml", None)),
     ("model", ("--model", "/m/flag"), "/m/env", "/m/yaml", ("/m/flag", "/m/env", "/m/yaml", None)),
+    ("tool_call_parser", ("--tool-call-parser", "hermes"), "mistral", "glm45", ("hermes", "mistral", "glm45", "auto")),
 ]
 
 

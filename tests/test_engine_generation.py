@@ -174,3 +174,18 @@ def test_on_cpu_a_smaller_ram_budget_keeps_that_many_experts_and_reads_the_rest_
     run(small, small.encode(PROMPT), temperature=0, max_tokens=4, ignore_eos=True)
     assert small.loaded.host.disk_reads == small.cache_counters()["misses"] > 5
     small.close()
+
+
+def test_special_tokens_are_kept_in_the_text_only_when_asked(engine):
+    prompt = engine.encode(PROMPT)
+    bos = engine.tokenizer.bos_token_id  # a special token, as Mistral's [TOOL_CALLS] is
+    skipped, _ = run(engine, prompt, temperature=0, max_tokens=3, logit_bias={bos: 100})
+    kept, _ = run(engine, prompt, temperature=0, max_tokens=3, logit_bias={bos: 100}, skip_special_tokens=False)
+    assert (skipped, kept) == ("", "<s><s><s>")
+
+
+def test_tools_are_refused_by_a_template_that_cannot_take_them(engine):
+    assert not engine.chat_template_info.supports_tools
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(InvalidRequestError, match="cannot take tools"):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}], tools)

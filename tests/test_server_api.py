@@ -233,10 +233,16 @@ ERRORS = [
     ("top-logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, None,
      "top_logprobs"),
     ("n", "/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, None, "n"),
-    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, None, "tools"),
-    ("response-format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+    ("tool-choice-required", "/v1/chat/completions",  # the fixture's template cannot take tools
+     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     400, None, "tool_choice"),
+    ("legacy-functions", "/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, None,
+     "functions"),
+    ("response-format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400,
      None, "response_format"),
+    ("response-format-no-schema", "/v1/chat/completions",
+     {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, None,
+     "response_format.json_schema.schema"),
     ("chat-template", "/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ x }}"}, 400, None,
      "chat_template"),
     ("image-part", "/v1/chat/completions",
@@ -273,8 +279,8 @@ def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     assert e.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=CHAT,
+    with pytest.raises(openai.BadRequestError, match="cannot call tools"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, tool_choice="required",
                                        tools=[{"type": "function", "function": {"name": "f"}}])
 
 

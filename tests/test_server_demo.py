@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.testing import RemoteServer
+from server.testing import RemoteServer, sse_json
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +41,18 @@ def test_demo_runs_the_offloaded_path(server):
         view = http.get("/v1/expert-cache").json()
     assert view["capacity_experts"] == 96 < view["total_experts"]
     assert view["misses"] > 0  # experts were loaded on demand
+
+
+def test_demo_answers_open_webuis_request_with_tools_as_a_plain_chat(server):
+    from server.tools import WARNING_HEADER
+    from tests.test_server_tools import open_webui_tools
+
+    model = server.openai().models.list().data[0].id
+    body = {"model": model, "messages": QUESTION, "tools": open_webui_tools(30), "stream": True, "max_tokens": 24,
+            "temperature": 0}
+    with server.http(timeout=300) as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert "cannot take tools" in response.headers[WARNING_HEADER]
+        events = list(sse_json(response.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert "Paris" in "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])

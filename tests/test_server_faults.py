@@ -12,7 +12,7 @@ import openai
 import pytest
 import uvicorn
 
-from engine.api import GenerationEvent, GenerationRequest, Usage
+from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, Usage
 from engine.config import EngineConfig
 from server.app import create_app
 from server.config import ServerConfig
@@ -23,6 +23,7 @@ class ScriptedEngine:
     """Answers every prompt with "a", "b", then fails (or finishes, with `fail=False`)."""
 
     model_name, max_model_len, vocab_size = "scripted", 64, 100
+    chat_template_info = ChatTemplateInfo(supports_tools=False, source="", model_type="scripted")
 
     def __init__(self, fail: bool = True) -> None:
         self.fail = fail
@@ -31,7 +32,7 @@ class ScriptedEngine:
     def encode(self, text: str) -> list[int]:
         return [1] * len(text.split())
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return [1, 2, 3]
 
     def validate(self, request: GenerationRequest) -> None:

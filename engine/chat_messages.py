@@ -1,0 +1,112 @@
+"""Chat messages as a model's chat template takes them, tool calls and tool results included.
+
+A template that can take tools gets the messages as transformers documents them (assistant
+`tool_calls` with `arguments` as a mapping, `tool` messages with their `tool_call_id`). A
+template that cannot gets a plain chat: the calls and their results written out as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from engine.api import ChatTemplateInfo, InvalidRequestError
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+_TOOLS_VARIABLE = re.compile(r"\btools\b")  # how a template declares that it renders a tool list
+
+
+def template_info(template: str | dict[str, str] | None, model_type: str) -> ChatTemplateInfo:
+    """What a tokenizer's chat template can do; `template` may be one or several named templates."""
+    if isinstance(template, dict):  # e.g. {"default": ..., "tool_use": ...}
+        source = "\n".join(template.values())
+        supports = "tool_use" in template or bool(_TOOLS_VARIABLE.search(source))
+    else:
+        source = template or ""
+        supports = bool(_TOOLS_VARIABLE.search(source))
+    return ChatTemplateInfo(supports_tools=supports, source=source, model_type=model_type)
+
+
+def prepare_messages(messages: list[dict], tool_template: bool) -> list[dict]:
+    """Checked, normalised messages; for a template without tools, tool turns become plain text."""
+    normalised = [_normalise(m, i) for i, m in enumerate(messages)]
+    if not normalised:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    return normalised if tool_template else _as_plain_chat(normalised)
+
+
+def _normalise(message: dict, index: int) -> dict:
+    where = f"messages[{index}]"
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidRequestError(f"{where}.role must be system, user, assistant or tool", param=f"{where}.role")
+    tool_calls = (message.get("tool_calls") or []) if role == "assistant" else []
+    content = _text(message.get("content"), where, may_be_empty=bool(tool_calls))
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if tool_calls:
+        out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
+    if role == "tool":
+        out["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if message.get("name"):
+            out["name"] = str(message["name"])
+    return out
+
+
+def _text(content: Any, where: str, may_be_empty: bool) -> str:
+    if content is None and may_be_empty:  # an assistant turn that only calls tools
+        return ""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise InvalidRequestError(f"{where}.content: only text parts are supported", param=f"{where}.content")
+        return "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"{where}.content must be a string or text parts", param=f"{where}.content")
+    return content
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', "
+                                  "'arguments'}}}", param=where)
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))}}
+
+
+def _arguments(arguments: Any) -> Any:
+    """OpenAI sends a JSON string; templates expect a mapping (Qwen's would quote the string again)."""
+    if not isinstance(arguments, str):
+        return arguments if arguments is not None else {}
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def _as_plain_chat(messages: list[dict]) -> list[dict]:
+    """Tool calls as assistant text, tool results as user turns (merged with what follows, so that
+    templates that insist on alternating roles still take them)."""
+    out: list[dict] = []
+    merge_next = False  # the last message is a tool result: a user turn that follows joins it
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "assistant" and message.get("tool_calls"):
+            content = "\n".join([content] * bool(content) + [_call_text(c) for c in message["tool_calls"]])
+        if role == "tool":
+            role, content = "user", f"Result of tool call {message.get('name') or message['tool_call_id']}:\n{content}"
+        if role == "user" and merge_next:
+            out[-1]["content"] += "\n\n" + content
+        else:
+            out.append({"role": role, "content": content})
+        merge_next = message["role"] == "tool" or (merge_next and role == "user")
+    return out
+
+
+def _call_text(call: dict) -> str:
+    function = call["function"]
+    arguments = function["arguments"]
+    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f"Tool call {function['name']}({arguments})"

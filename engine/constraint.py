@@ -1,0 +1,65 @@
+"""Grammar-constrained decoding: a token mask per step from a Lark grammar (llguidance).
+
+The grammar says what the whole completion may be; each step only tokens that keep the text
+inside the grammar are allowed, and once it is complete only end-of-sequence is. The sampler
+applies the mask after its own processing and before greedy or random choice.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from engine.api import InvalidRequestError
+
+
+def check_grammar(grammar: str) -> None:
+    """Raises InvalidRequestError for a grammar llguidance cannot compile (no tokenizer needed)."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar))
+    if error:
+        raise InvalidRequestError(f"the output grammar cannot be compiled: {error}", param="grammar")
+
+
+class GrammarTokenizer:
+    """The tokenizer as llguidance sees it; built once per engine on first use (about a second)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: set[int]) -> None:
+        self._args = (hf_tokenizer, vocab_size, sorted(eos_ids))
+        self._built = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._built is None:
+                import llguidance.hf
+
+                hf_tokenizer, vocab_size, eos = self._args
+                self._built = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+            return self._built
+
+
+class GrammarConstraint:
+    """One request's grammar state: the allowed tokens now, advanced by each chosen token."""
+
+    def __init__(self, tokenizer: GrammarTokenizer, grammar: str, vocab_size: int, device: torch.device) -> None:
+        from llguidance import LLMatcher
+
+        self.matcher = LLMatcher(tokenizer.get(), LLMatcher.grammar_from_lark(grammar))
+        if self.matcher.is_error():
+            raise InvalidRequestError(f"the output grammar cannot be used: {self.matcher.get_error()}",
+                                      param="grammar")
+        self.vocab_size, self.device = vocab_size, device
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)  # one bit per token, little-endian
+        allowed = np.unpackbits(bits, count=self.vocab_size, bitorder="little")
+        return torch.from_numpy(allowed).to(self.device, torch.bool)
+
+    def advance(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            raise RuntimeError(f"token {token_id} broke the grammar: {self.matcher.get_error()}")

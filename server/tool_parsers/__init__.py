@@ -1,0 +1,43 @@
+"""Tool-call parsers, one per output format, and the choice of one for a model."""
+
+from __future__ import annotations
+
+from engine.api import ChatTemplateInfo
+from server.tool_parsers.base import FunctionCall, Match, ToolParser
+from server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from server.tool_parsers.glm45 import Glm45Parser
+from server.tool_parsers.harmony import HarmonyParser
+from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser)
+}
+PARSER_NAMES = ("auto", *PARSERS)
+
+# what a template writes when it shows the model its own call format, most specific first
+_TEMPLATE_SIGNS = (
+    ("<arg_key>", "glm45"),
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("tool▁call▁begin", "deepseek_v3"),
+    ("to=functions", "harmony"),
+)
+_MODEL_TYPES = {
+    "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+    "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3", "gpt_oss": "harmony",
+    "glm4_moe": "glm45",
+}
+
+
+def detect_parser(info: ChatTemplateInfo) -> str | None:
+    """The parser for a model: from its template's text, else from its model type; None if unknown."""
+    for sign, name in _TEMPLATE_SIGNS:
+        if sign in info.source:
+            return name
+    return _MODEL_TYPES.get(info.model_type)
+
+
+__all__ = ["PARSERS", "PARSER_NAMES", "FunctionCall", "Match", "Piece", "ToolCall", "ToolCallStream",
+           "ToolParser", "detect_parser"]

@@ -1,0 +1,96 @@
+"""What every tool-call parser shares: the call it finds, the match it reports, and JSON checks."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# JSON written one way, as templates show it ({"a": 1, "b": 2}): an unsure model cannot run on in blanks
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+@dataclass(frozen=True)
+class Match:
+    """A span of output, from a marker on, that a parser has read."""
+
+    end: int  # characters of the span
+    calls: tuple[FunctionCall, ...] = ()
+    content: str = ""  # the text the span stands for besides its calls
+
+
+class ToolParser:
+    """One model family's tool-call format. Subclasses set `name` and `markers` and write `match`."""
+
+    name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]]  # where a tool-call span may start
+    needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens the decoder would drop
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.tools = tools or []  # OpenAI function definitions (a format without JSON needs their types)
+
+    def match(self, text: str, final: bool) -> Match | None:
+        """`text` starts with a marker. None: not decided yet, more output may complete it.
+        With `final` (the output has ended) a Match is always returned; a malformed span is content."""
+        raise NotImplementedError
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        """A Lark grammar (llguidance) for output that is exactly one valid call, to `name` or to any
+        of `tools`; None where this format has none yet."""
+        return None
+
+    def new_call_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_schema(tools: list[dict], name: str | None) -> dict:
+    """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given)."""
+    options = [
+        {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+         "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+        for f in (tool["function"] for tool in tools) if name is None or f["name"] == name
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": COMPACT}
+
+
+def malformed(text: str, end: int | None = None) -> Match:
+    """The span stays what it was: text."""
+    end = len(text) if end is None else end
+    return Match(end, content=text[:end])
+
+
+def function_call(name: Any, arguments: Any) -> FunctionCall | None:
+    """A call with a name and a JSON-object argument (a mapping, or text that parses as one); else None."""
+    if not isinstance(name, str) or not name.strip():
+        return None
+    if isinstance(arguments, str):
+        arguments = loads(arguments.strip() or "{}")
+    if not isinstance(arguments, dict):
+        return None
+    return FunctionCall(name.strip(), json.dumps(arguments, ensure_ascii=False))
+
+
+def loads(text: str) -> Any:
+    """JSON, or None where it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def decode_prefix(text: str) -> tuple[Any, int] | None:
+    """The JSON value at the start of `text` (after blanks) and where it ends; None if there is none yet."""
+    start = len(text) - len(text.lstrip())
+    try:
+        value, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    return value, end

@@ -1,0 +1,29 @@
+"""Hermes style, used by Qwen2/2.5/3: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`."""
+
+from __future__ import annotations
+
+import json
+
+from server.tool_parsers.base import Match, ToolParser, call_schema, function_call, loads, malformed
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    markers = (OPEN,)
+
+    def match(self, text: str, final: bool) -> Match | None:
+        close = text.find(CLOSE)
+        if close < 0 and not final:
+            return None
+        end = len(text) if close < 0 else close + len(CLOSE)  # an unclosed call at the end: parse what is there
+        body = loads(text[len(OPEN): close if close >= 0 else len(text)].strip())
+        if not isinstance(body, dict):
+            return malformed(text, end)
+        call = function_call(body.get("name"), body.get("arguments", body.get("parameters", {})))
+        return Match(end, (call,)) if call else malformed(text, end)
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        schema = json.dumps(call_schema(tools, name))
+        return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {schema}\n'

@@ -1,0 +1,152 @@
+"""Tool-call parsers on recorded outputs of each format (whole, malformed, cut short), read at once
+and token by token: the streamed pieces must add up to the same content and calls, and no content
+may ever show a marker that later turns out to be a call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.api import ChatTemplateInfo
+from server.tool_parsers import PARSERS, ToolCall, ToolCallStream, detect_parser
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+def read(parser_name: str, pieces: list[str], max_calls: int | None = None) -> tuple[list, ToolCallStream]:
+    stream = ToolCallStream(PARSERS[parser_name](TOOLS), NAMES, max_calls)
+    out = [p for piece in pieces for p in stream.feed(piece)] + stream.finish()
+    return out, stream
+
+
+def summary(out: list) -> tuple[str, list[tuple[str, dict]]]:
+    content = "".join(p for p in out if isinstance(p, str))
+    calls = [(p.name, json.loads(p.arguments)) for p in out if isinstance(p, ToolCall)]
+    return content, calls
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text whole, one character at a time, and in chunks of 2, 3 and 7."""
+    return [[text], list(text)] + [[text[i: i + n] for i in range(0, len(text), n)] for n in (2, 3, 7)]
+
+
+# (parser, recorded output, expected content, expected calls)
+CASES = [
+    # Hermes (Qwen2.5 / Qwen3)
+    ("hermes", 'The weather:\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "The weather:", [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "parameters": {}}\n</tool_call>', "", [("get_time", {})]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}\n</tool_call>', "",
+     [("get_time", {"tz": "UTC"})]),
+    ("hermes", 'No tools needed: 2 < 3 and <b>bold</b>.', "No tools needed: 2 < 3 and <b>bold</b>.", []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut by max_tokens
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', []),
+    ("hermes", '<tool_call>\n{"name": get_weather}\n</tool_call> then text',  # not JSON
+     '<tool_call>\n{"name": get_weather}\n</tool_call> then text', []),
+    ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # not offered
+     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n',  # unclosed at the end, yet whole
+     "", [("get_time", {})]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": [1]}\n</tool_call>',  # arguments not an object
+     '<tool_call>\n{"name": "get_time", "arguments": [1]}\n</tool_call>', []),
+    ("hermes", 'Ends with a partial marker <tool_ca', "Ends with a partial marker <tool_ca", []),
+    # Mistral
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+     '{"name": "get_time", "arguments": {}}]', "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}', "",
+     [("get_weather", {"city": "Oslo"})]),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa',
+     'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa', []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather"}, 7]', '[TOOL_CALLS] [{"name": "get_weather"}, 7]', []),
+    ("mistral", '[TOOL_CALLS] no call here', '[TOOL_CALLS] no call here', []),
+    # DeepSeek-V3 and V3.1
+    ("deepseek_v3", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+     '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+     "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [("get_weather", {"city": "Rome"})]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     '{"city": "Par', "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     '{"city": "Par', []),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>garbage<｜tool▁calls▁end｜> after",
+     "<｜tool▁calls▁begin｜>garbage<｜tool▁calls▁end｜> after", []),
+    # GPT-OSS harmony
+    ("harmony", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Tokyo"}', "",
+     [("get_weather", {"city": "Tokyo"})]),
+    ("harmony", '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>', "",
+     [("get_time", {})]),
+    ("harmony", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "It is sunny.", "It is sunny.", []),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ',
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ', []),
+    ("harmony", "<|channel|>analysis<|start|>", "<|channel|>analysis<|start|>", []),
+    # GLM-4.5
+    ("glm45", "I will look it up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>"
+     "\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+     "I will look it up.", [("get_weather", {"city": "Beijing", "days": 3})]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>1984</arg_value>\n</tool_call>"
+     "<tool_call>get_time\n</tool_call>", "", [("get_weather", {"city": "1984"}), ("get_time", {})]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Bei",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Bei", []),
+    ("glm45", "<tool_call>get weather now\n</tool_call>", "<tool_call>get weather now\n</tool_call>", []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_recorded_output_read_whole_and_piece_by_piece(parser, text, content, calls):
+    for pieces in splits(text):
+        out, stream = read(parser, pieces)
+        assert summary(out) == (content, calls), pieces[:3]
+        assert [c.index for c in stream.calls] == list(range(len(calls)))
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [c for c in CASES if c[3]])
+def test_no_marker_is_shown_as_content_before_the_call_is_decided(parser, text, content, calls):
+    shown = ""
+    stream = ToolCallStream(PARSERS[parser](TOOLS), NAMES)
+    for char in text:
+        shown += "".join(p for p in stream.feed(char) if isinstance(p, str))
+        assert content.startswith(shown)  # never more than the final content: nothing to retract
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = CASES[1][1]
+    out, stream = read("hermes", [text], max_calls=1)
+    assert summary(out) == ("", [("get_weather", {"city": "Paris", "days": 2})])
+
+
+def test_call_ids_are_unique_and_mistral_ids_have_nine_alphanumerics():
+    _, stream = read("hermes", [CASES[1][1]])
+    assert len({c.id for c in stream.calls}) == 2 and all(c.id.startswith("call_") for c in stream.calls)
+    _, stream = read("mistral", [CASES[12][1]])
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in stream.calls)
+
+
+def test_trailing_blanks_of_plain_content_are_kept():
+    out, _ = read("hermes", ["Hello ", "world \n"])
+    assert summary(out) == ("Hello world \n", [])
+
+
+@pytest.mark.parametrize("source, model_type, expected", [
+    ("... <tool_call>\n{{ tool | tojson }} ... tools", "qwen3_moe", "hermes"),
+    ("{{ tools }} <tool_call>{{ name }}<arg_key>", "glm4_moe", "glm45"),
+    ("{{ tools }} [TOOL_CALLS]", "mixtral", "mistral"),
+    ("{{ tools }} <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "deepseek_v3", "deepseek_v3"),
+    ("{{ tools }} to=functions.", "gpt_oss", "harmony"),
+    ("{{ tools }}", "qwen2_moe", "hermes"),
+    ("{{ tools }}", "olmoe", None),
+])
+def test_parser_detected_from_template_then_model_type(source, model_type, expected):
+    assert detect_parser(ChatTemplateInfo(True, source, model_type)) == expected
