@@ -36,6 +36,40 @@ class OpenAIBaseModel(BaseModel):
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    def check_text(self) -> None:
+        """Refuse a lone surrogate (`"\\ud800"`) in any string: JSON allows it, UTF-8 and tokenizers do not."""
+        param = _surrogate_path(self.model_dump(), "")
+        if param is not None:
+            raise InvalidRequestError(f"{param or 'the request'}: a string holds a lone surrogate "
+                                      "(invalid Unicode)", param=param or None)
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The path (`messages[0].content`) of the first string holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        key = str(key)
+        here = path + key if key.startswith("[") else f"{path}.{key}" if path else key
+        found = here if _has_surrogate(key) else _surrogate_path(item, here)
+        if found is not None:
+            return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
 
 class ResponseModel(BaseModel):
     """A response object. Dumped with `exclude_unset=True`, so every field counts as set (OpenAI
@@ -113,10 +147,22 @@ class SamplingRequest(OpenAIBaseModel):
     def _top_logprobs(self) -> int | None:
         return None
 
+    def _request_param(self, param: str | None) -> str | None:
+        """The request field that set the SamplingParams field `param` (for error messages)."""
+        return param
+
     def to_sampling_params(self) -> SamplingParams:
         for param, refused, why in self._unsupported():
             if refused:
                 raise InvalidRequestError(f"'{param}' is not supported by this server: {why}", param=param)
+        try:
+            return self._sampling_params()
+        except InvalidRequestError as e:
+            param = self._request_param(e.param)
+            message = str(e) if param == e.param else str(e).replace(e.param, param, 1)
+            raise InvalidRequestError(message, param=param, code=e.code) from None
+
+    def _sampling_params(self) -> SamplingParams:
         given = {
             "max_tokens": self._max_tokens(),
             "temperature": self.temperature,
@@ -194,6 +240,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     def _top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _request_param(self, param: str | None) -> str | None:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
 
     def engine_messages(self) -> list[dict[str, Any]]:
         return [message.to_engine() for message in self.messages]
@@ -304,6 +355,9 @@ class CompletionRequest(SamplingRequest):
 
     def _top_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _request_param(self, param: str | None) -> str | None:
+        return "logprobs" if param == "top_logprobs" else param
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a one-element batch is unwrapped."""

@@ -32,14 +32,16 @@ def serving(raw: Request) -> Serving:
     return raw.app.state.serving
 
 
-def _note_ignored(body: p.OpenAIBaseModel) -> None:
+def _accept(body: p.OpenAIBaseModel) -> None:
+    """Checks every request must pass before anything else reads it."""
+    body.check_text()  # first: error messages and logs may quote the request's strings
     if body.ignored_fields:
         log.info("ignoring unsupported request fields: %s", ", ".join(body.ignored_fields))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
-    _note_ignored(body)
+    _accept(body)
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params()
     prompt = engine.apply_chat_template(body.engine_messages())  # the model's own template, never the request's
@@ -50,7 +52,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
 
 @router.post("/v1/completions")
 async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
-    _note_ignored(body)
+    _accept(body)
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params()
     prompt = body.single_prompt()

@@ -230,7 +230,8 @@ class Serving:
         except Exception as e:  # after the 200 went out: an error event, then [DONE]
             status = ERROR
             error = to_api_error(e)
-            log.warning("stream %s failed: %s", submission.request_id, error.message)
+            log.log(logging.ERROR if error.status >= 500 else logging.WARNING, "stream %s failed: %s",
+                    submission.request_id, error.message, exc_info=error.status >= 500)
             yield error.body().model_dump_json()
         finally:
             stopper.cancel()

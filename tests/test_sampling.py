@@ -81,8 +81,17 @@ def test_token_logprob_reports_raw_distribution_and_top_alternatives():
         {"max_tokens": 0},
         {"top_logprobs": 21},
         {"logit_bias": {1: 101}},
+        {"seed": 2**64},  # beyond what torch.Generator takes: was a 500 inside the sampler
+        {"seed": -(2**63) - 1},
+        {"temperature": float("inf")},
+        {"repetition_penalty": float("inf")},
     ],
 )
 def test_out_of_range_parameters_are_refused(kw):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_seeds_at_both_ends_of_the_range_sample(seed):
+    assert 0 <= make(seed=seed).sample(torch.zeros(V)) < V

@@ -3,6 +3,7 @@ uvicorn server in this process: the real app and `EngineClient` over a scripted 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -142,6 +143,24 @@ def test_error_after_the_stream_started_is_an_error_event_then_done():
         metrics = httpx.get(f"{srv.url}/metrics").text
         assert 'moe_requests_total{status="error"} 3.0' in metrics
         assert "moe_expert_cache_hits_total 3.0" in metrics and "moe_eamc_entries 2.0" in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_crash_is_logged_once_with_its_traceback(caplog, stream):
+    uvicorn_log = logging.getLogger("uvicorn")  # it does not propagate to the root logger caplog listens on
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with InProcessServer(lambda: ScriptedEngine(fail=True)) as srv:
+            wait_for_health(srv.url, 200)
+            caplog.clear()
+            response = httpx.post(f"{srv.url}/v1/chat/completions", json={**CHAT, "stream": stream})
+            assert response.status_code == (200 if stream else 500)
+            time.sleep(0.3)  # a second report would come right after the response
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    assert "fell off the bus" in str(tracebacks[0].exc_info[1])
 
 
 def test_graceful_shutdown_closes_the_engine():
