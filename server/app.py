@@ -12,7 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig
 from server.config import ServerConfig, is_loopback_host
@@ -64,6 +65,36 @@ class GuardMiddleware:
         return None
 
 
+class BodyLimitMiddleware:
+    """Refuses a request body over `max_bytes` with 413 before reading it whole: at once by its
+    Content-Length, and by counting the bytes of a chunked upload as they arrive."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.too_large().response()(scope, receive, send)
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self.too_large().message)  # FastAPI's body reader lets it through
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"The request body is larger than the server's limit of {self.max_bytes} bytes "
+                        "(--max-request-bytes).", code="request_too_large")
+
+
 def _host_name(host: str) -> str:
     """`[::1]:8000` -> `::1`, `localhost:8000` -> `localhost`."""
     if host.startswith("["):
@@ -107,6 +138,7 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app, on_error=lambda request, error: _count_error(metrics, request, error))
     app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
     app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback)
     return app
 

@@ -34,6 +34,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # None: no authentication
     max_queue: int = 64  # requests waiting or running; beyond it, 503
+    max_request_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are read whole
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -42,6 +43,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
         if self.max_queue < 1:
             raise ValueError(f"max-queue must be at least 1, not {self.max_queue}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max-request-bytes must be at least 1, not {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api-key must not be blank")
 
@@ -127,6 +130,8 @@ FLAGS: tuple[Flag, ...] = (
          "but /health", "KEY", default_text="none: no authentication"),
     Flag("--max-queue", ServerConfig, int, "requests waiting or running at once; beyond it the "
          "server answers 503 with Retry-After", "N"),
+    Flag("--max-request-bytes", ServerConfig, int, "largest request body in bytes; a larger one gets 413 "
+         "before it is read whole", "N"),
     Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens", "N",
          default_text="the model's max_position_embeddings"),
 )

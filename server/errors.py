@@ -109,7 +109,7 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         return answer(request, validation_error(exc))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return answer(request, APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
     app.add_exception_handler(APIError, api_error)

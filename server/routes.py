@@ -6,6 +6,7 @@ import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, GenerationRequest
 from server import protocol as p
@@ -44,7 +45,8 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
     _accept(body)
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params()
-    prompt = engine.apply_chat_template(body.engine_messages())  # the model's own template, never the request's
+    # the model's own template, never the request's; off the event loop, like all tokenizing
+    prompt = await run_in_threadpool(engine.apply_chat_template, body.engine_messages())
     fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs))
     request = GenerationRequest(fmt.id, prompt, params)
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
@@ -56,7 +58,7 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params()
     prompt = body.single_prompt()
-    prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
     fmt = CompletionFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=body.logprobs is not None)
     request = GenerationRequest(fmt.id, prompt_ids, params)
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)

@@ -45,6 +45,7 @@ def test_help_does_not_load_the_engine():
     (["--policy", "fifo"], {}, "invalid choice"),
     (["--expert-cache-gb", "2", "--expert-cache-experts", "3"], {}, "not both"),
     ([], {"MOE_SERVE_MAX_QUEUE": "zero"}, "MOE_SERVE_MAX_QUEUE"),
+    (["--max-request-bytes", "0"], {}, "max-request-bytes must be at least 1"),
 ])
 def test_bad_settings_exit_2_with_a_message(args, env, needle):
     result = run_cli(*args, env={**os.environ, **env})

@@ -44,6 +44,7 @@ PRECEDENCE = [
     ("prefetch", ("--no-prefetch",), "true", "false", (False, True, False, True)),
     ("api_key", ("--api-key", "flag"), "env", "yaml", ("flag", "env", "yaml", None)),
     ("model", ("--model", "/m/flag"), "/m/env", "/m/yaml", ("/m/flag", "/m/env", "/m/yaml", None)),
+    ("max_request_bytes", ("--max-request-bytes", "3000"), "2000", "1000", (3000, 2000, 1000, 4 * 2**20)),
 ]
 
 

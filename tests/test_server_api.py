@@ -310,6 +310,50 @@ def test_sdk_raises_typed_errors(client):
                                        tools=[{"type": "function", "function": {"name": "f"}}])
 
 
+MAX_REQUEST_BYTES = 4 * 2**20  # the default --max-request-bytes
+
+
+def words(n_bytes: int) -> bytes:
+    return json.dumps({"prompt": "word " * (n_bytes // 5), "max_tokens": 1}).encode()
+
+
+def chunks(body: bytes, size: int = 2**16):
+    yield from (body[i: i + size] for i in range(0, len(body), size))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_oversize_body_is_413_before_it_is_read(http, chunked):
+    body = words(3 * MAX_REQUEST_BYTES)
+    start = time.perf_counter()
+    response = http.post("/v1/completions", content=chunks(body) if chunked else body,
+                         headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS and error["code"] == "request_too_large"
+    assert time.perf_counter() - start < 2  # tokenizing the text took 20 s
+
+
+def test_health_answers_while_a_large_body_is_tokenized(server, http):
+    body = words(MAX_REQUEST_BYTES - 1000)  # ~800k tokens: seconds of tokenizer work, then refused
+    done: dict[str, float] = {}
+
+    def post() -> None:
+        with server.http() as other:
+            status = other.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert status.status_code == 400
+        done["post"] = time.perf_counter()
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    time.sleep(0.5)  # the body is in; the tokenizer is busy
+    start = time.perf_counter()
+    assert http.get("/health").status_code == 200
+    done["health"] = time.perf_counter()
+    thread.join()
+    assert done["health"] - start < 1.0
+    assert done["health"] < done["post"]  # answered while the big request was still being prepared
+
+
 def test_unknown_route_is_404_in_openai_shape(http):
     response = http.get("/v1/nothing-here")
     assert response.status_code == 404 and set(response.json()["error"]) == ERROR_KEYS
