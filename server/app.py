@@ -112,7 +112,10 @@ def create_app(
     server_config: ServerConfig,
     engine_config: EngineConfig,
     load_engine: Callable[[], object] | None = None,
+    on_load_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
+    """`on_load_failure(reason)` runs on the event loop when the model cannot be loaded (the CLI
+    exits); without it the server stays up and answers 503 with the reason."""
     from engine.client import EngineClient
     from server.routes import router
 
@@ -123,7 +126,9 @@ def create_app(
         client = EngineClient(load, max_queue=server_config.max_queue)
         app.state.client = client
         app.state.serving = Serving(client, metrics)
+        watcher = asyncio.ensure_future(_report_load_failure(client, on_load_failure))
         yield
+        watcher.cancel()
         log.info("shutting down the engine (saving its state)")
         await asyncio.to_thread(client.shutdown)
         log.info("engine shut down")
@@ -141,6 +146,11 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
     app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback)
     return app
+
+
+async def _report_load_failure(client, on_load_failure: Callable[[str], None] | None) -> None:
+    if on_load_failure is not None and not await asyncio.to_thread(client.wait_ready):
+        on_load_failure(client.error or "the engine worker stopped")
 
 
 def _count_error(metrics: ServerMetrics, request, error: APIError) -> None:

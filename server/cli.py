@@ -11,6 +11,7 @@ from server.config import ConfigError, ServerConfig, build_parser, load_config
 log = logging.getLogger("moe_serve")
 
 GRACEFUL_SHUTDOWN_S = 10  # then in-flight requests are cancelled (and so aborted)
+STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot start
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -26,11 +27,26 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from server.app import create_app
 
-    app = create_app(server_config, engine_config)
+    failures: list[str] = []
+
+    def stop_on_load_failure(reason: str) -> None:
+        failures.append(reason)  # /health would answer 503 forever: a dead end, so exit
+        server.should_exit = True
+
+    app = create_app(server_config, engine_config, on_load_failure=stop_on_load_failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     log.info("serving %s on http://%s:%d/v1", engine_config.model or "the built-in demo model",
              _url_host(server_config.host), server_config.port)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="info",
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if failures:
+        log.error("moe-serve: could not load the model: %s", failures[0])
+        sys.exit(1)
+    if not server.started:  # e.g. the port is taken; uvicorn has said why
+        sys.exit(STARTUP_FAILURE)
 
 
 def warn_if_exposed(config: ServerConfig) -> None:

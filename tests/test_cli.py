@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,16 @@ def test_bad_settings_exit_2_with_a_message(args, env, needle):
     assert result.returncode == 2
     assert needle in result.stderr
     assert "usage: moe-serve" in result.stderr
+
+
+def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path):
+    start = time.monotonic()
+    result = run_cli("--model", str(tmp_path / "nonexistent"), "--port", "0",
+                     env={**os.environ, "MOE_SERVE_STATE_DIR": str(tmp_path)})
+    assert result.returncode == 1
+    assert time.monotonic() - start < 60  # run_cli's timeout: before, it served 503 forever
+    last = result.stderr.strip().splitlines()[-1]
+    assert "could not load the model" in last and "nonexistent" in last and "does not exist" in last
 
 
 def test_installed_console_script_answers_help():

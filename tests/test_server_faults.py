@@ -57,9 +57,11 @@ class ScriptedEngine:
 
 
 class InProcessServer:
-    def __init__(self, load_engine: Callable[[], object]) -> None:
+    def __init__(self, load_engine: Callable[[], object], on_load_failure: Callable[[str], None] | None = None,
+                 ) -> None:
         self.port = free_port()
-        app = create_app(ServerConfig(port=self.port), EngineConfig(), load_engine=load_engine)
+        app = create_app(ServerConfig(port=self.port), EngineConfig(), load_engine=load_engine,
+                         on_load_failure=on_load_failure)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -107,18 +109,23 @@ def test_loading_answers_503_then_ready():
         assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"] == "ab"
 
 
-def test_failed_load_answers_503_with_the_reason():
+def test_failed_load_is_reported_once_with_the_reason():
+    reported: list[str] = []
+    failed = threading.Event()
+
     def broken_load():
+        failed.wait(30)  # until /health has been asked while loading
         raise OSError("no such checkpoint")
 
-    with InProcessServer(broken_load) as srv:
-        health = wait_for_health(srv.url, 503)
+    with InProcessServer(broken_load, on_load_failure=reported.append) as srv:
+        assert httpx.get(f"{srv.url}/health").json()["status"] == "loading"
+        failed.set()
         for _ in range(100):
-            if health.json()["status"] == "error":
+            if reported:
                 break
             time.sleep(0.02)
-            health = httpx.get(f"{srv.url}/health")
-        assert health.json() == {"status": "error", "error": "OSError: no such checkpoint"}
+        assert reported == ["OSError: no such checkpoint"]  # the CLI exits on it (tests/test_cli.py)
+        assert httpx.get(f"{srv.url}/health").json() == {"status": "error", "error": "OSError: no such checkpoint"}
         response = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and "no such checkpoint" in response.json()["error"]["message"]
 
