@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -16,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig
+from server import VERSION
 from server.config import ServerConfig, is_loopback_host
 from server.errors import APIError, install_error_handlers
 from server.metrics import ServerMetrics, status_of
@@ -26,10 +26,6 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 OPEN_PATHS = ("/health",)  # answered without an API key
 
-try:
-    VERSION = version("moe-serve")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    VERSION = "dev"
 SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"
 
 

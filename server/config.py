@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine.config import DTYPES, POLICY_NAMES, EngineConfig
+from server import VERSION
 
 ENV_PREFIX = "MOE_SERVE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -118,12 +119,14 @@ FLAGS: tuple[Flag, ...] = (
          "--expert-cache-experts)", "GB"),
     Flag("--host-cache-gb", EngineConfig, float, "host-RAM tier for experts in GiB; experts beyond it "
          "are read from disk on demand", "GB", default_text="all experts in RAM"),
-    Flag("--policy", EngineConfig, str, "expert cache policy", choices=POLICY_NAMES),
+    Flag("--policy", EngineConfig, str, "expert cache policy; only sparsity-aware learns from past requests "
+         "(the EAMC): with lru or lfu the EAMC and its file are off", choices=POLICY_NAMES),
     Flag("--prefetch", EngineConfig, parse_bool, "prefetch the experts the predictor expects next "
          "(--no-prefetch: load on demand only)"),
     Flag("--eamc-path", EngineConfig, str, "file that keeps the learned expert activation matrices "
-         "across restarts", "FILE", default_text="one file per model under the per-user state folder"),
-    Flag("--eamc-capacity", EngineConfig, int, "how many expert activation matrices the EAMC keeps", "N"),
+         "across restarts (sparsity-aware only)", "FILE",
+         default_text="one file per model under the per-user state folder"),
+    Flag("--eamc-capacity", EngineConfig, int, "how many expert activation matrices the EAMC keeps (sparsity-aware only)", "N"),
     Flag("--record-trace", EngineConfig, str, "append every request's expert routing to FILE "
          "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
     Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` on every endpoint "
@@ -150,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Precedence: flag > environment > YAML > default.",
         argument_default=argparse.SUPPRESS,  # only flags actually given reach the namespace
     )
+    parser.add_argument("--version", action="version", version=f"moe-serve {VERSION}")
     parser.add_argument("--config", metavar="FILE", help=f"YAML file of settings, keys as the flag names "
                         f"with underscores (see configs/) (env {CONFIG_ENV})")
     for flag in FLAGS:

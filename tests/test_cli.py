@@ -34,6 +34,12 @@ def test_help_documents_every_flag_and_its_variable():
     assert "flag > environment > YAML > default" in text
 
 
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("moe-serve ")
+    assert "with lru or lfu the EAMC and its file are off" in " ".join(run_cli("--help").stdout.split())
+
+
 def test_help_does_not_load_the_engine():
     code = "import sys; from server.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
            "assert 'torch' not in sys.modules, 'torch imported'"
