@@ -6,12 +6,14 @@ prefill + decode loop over a KV cache; no `model.generate` on the hot path.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConfig
@@ -25,6 +27,7 @@ from engine.api import (
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
+    SamplingParams,
     Usage,
 )
 from engine.checkpoint import checkpoint_digest, resolve_model_path
@@ -38,6 +41,7 @@ from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
+WARM_UP_TOKENS = 4
 
 
 @dataclass
@@ -62,6 +66,9 @@ class Engine:
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or _model_max_len(loaded.config)
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
+        defaults = generation_defaults(loaded.folder)
+        self.max_new_tokens: int | None = defaults.pop("max_tokens", None)  # when a request sets no max_tokens
+        self.sampling_defaults = defaults  # what a request that omits one of these gets
         self.last_times = StepTimes()
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
@@ -78,8 +85,24 @@ class Engine:
         loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         engine = cls(loaded, tokenizer, config, device)
+        engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
         engine._attach_cache_features()
+        shown = {**engine.sampling_defaults, "max_tokens": engine.max_new_tokens or "the rest of the context"}
+        log.info("a request that omits them gets: %s (from generation_config.json, else the OpenAI defaults)",
+                 ", ".join(f"{k}={v}" for k, v in shown.items()))
         return engine
+
+    def warm_up(self) -> None:
+        """A short generation through the whole path (chat template, prefill, decode, detokenizer), so
+        that the first request does not pay for lazy initialisation and a cold expert cache."""
+        start = time.perf_counter()
+        has_template = getattr(self.tokenizer, "chat_template", None)
+        prompt = self.apply_chat_template([{"role": "user", "content": "Hi"}]) if has_template else self.encode("Hi")
+        request = GenerationRequest("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0,
+                                                                        ignore_eos=True))
+        for _ in self.generate(request):
+            pass
+        log.info("warmed up in %.1f s", time.perf_counter() - start)
 
     def _attach_cache_features(self) -> None:
         runtime, config = self.runtime, self.config
@@ -140,7 +163,8 @@ class Engine:
     ) -> Iterator[GenerationEvent]:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
-        max_tokens = params.max_tokens or self.max_model_len - len(prompt)
+        room = self.max_model_len - len(prompt)
+        max_tokens = params.max_tokens or min(self.max_new_tokens or room, room)
         sampler = Sampler(params, prompt, self.vocab_size, self.device)
         detokenizer = IncrementalDetokenizer(self.decode)
         stops = StopStringMatcher(params.stop)
@@ -301,6 +325,26 @@ def _top_k_of(gate):
 
 def _model_max_len(config) -> int:
     return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+# generation_config.json key -> SamplingParams field, as vLLM's `--generation-config auto` reads them
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """The sampling defaults the model's generation_config.json sets (only those it sets explicitly)."""
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    defaults = {ours: config[key] for key, ours in GENERATION_DEFAULT_KEYS.items() if config.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (InvalidRequestError, TypeError) as e:
+        log.warning("ignoring the sampling defaults in %s: %s", folder / "generation_config.json", e)
+        return {}
+    return defaults
 
 
 def _eos_ids(folder: Path, tokenizer) -> set[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -151,18 +152,19 @@ class SamplingRequest(OpenAIBaseModel):
         """The request field that set the SamplingParams field `param` (for error messages)."""
         return param
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's values for the fields the request leaves out."""
         for param, refused, why in self._unsupported():
             if refused:
                 raise InvalidRequestError(f"'{param}' is not supported by this server: {why}", param=param)
         try:
-            return self._sampling_params()
+            return self._sampling_params(defaults or {})
         except InvalidRequestError as e:
             param = self._request_param(e.param)
             message = str(e) if param == e.param else str(e).replace(e.param, param, 1)
             raise InvalidRequestError(message, param=param, code=e.code) from None
 
-    def _sampling_params(self) -> SamplingParams:
+    def _sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         given = {
             "max_tokens": self._max_tokens(),
             "temperature": self.temperature,
@@ -178,7 +180,7 @@ class SamplingRequest(OpenAIBaseModel):
             "top_logprobs": self._top_logprobs(),
             "ignore_eos": self.ignore_eos,
         }
-        return SamplingParams(**{k: v for k, v in given.items() if v is not None})  # None: engine default
+        return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
 
     @property
     def include_usage(self) -> bool:

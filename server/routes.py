@@ -44,7 +44,7 @@ def _accept(body: p.OpenAIBaseModel) -> None:
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
     _accept(body)
     engine = ready_engine(raw, body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(engine.sampling_defaults)
     # the model's own template, never the request's; off the event loop, like all tokenizing
     prompt = await run_in_threadpool(engine.apply_chat_template, body.engine_messages())
     fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs))
@@ -56,7 +56,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
 async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
     _accept(body)
     engine = ready_engine(raw, body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(engine.sampling_defaults)
     prompt = body.single_prompt()
     prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
     fmt = CompletionFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=body.logprobs is not None)

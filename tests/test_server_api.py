@@ -23,11 +23,17 @@ LONG = 490  # tokens: the fixture's context is 512
 ACCESSES_PER_TOKEN = 3 * 2  # the fixture: 3 MoE layers, top-2
 
 
+MODEL_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 40}  # in generation_config.json, as real models set them
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from tests.fixtures.models import build_checkpoint
 
-    return build_checkpoint("mixtral", tmp_path_factory.mktemp("tiny-mixtral"))
+    folder = build_checkpoint("mixtral", tmp_path_factory.mktemp("tiny-mixtral"))
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, **MODEL_DEFAULTS}))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,16 @@ def test_chat_streamed_text_equals_non_streamed_at_temperature_0(client):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [full.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_omitted_parameters_take_the_model_generation_config(client):
+    kwargs = {"model": MODEL, "messages": CHAT, "extra_body": {"ignore_eos": True}}
+    a, b = (client.chat.completions.create(**kwargs) for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content  # temperature 0: greedy
+    assert a.usage.completion_tokens == MODEL_DEFAULTS["max_new_tokens"]  # not the rest of the context
+    assert a.choices[0].finish_reason == "length"
+    sampled = client.chat.completions.create(**kwargs, temperature=1.0, seed=1, max_tokens=5)
+    assert sampled.usage.completion_tokens == 5  # what the request sets wins
 
 
 def test_chat_usage_counts(client, tokenizer):

@@ -24,6 +24,7 @@ class ScriptedEngine:
     """Answers every prompt with "a", "b", then fails (or finishes, with `fail=False`)."""
 
     model_name, max_model_len, vocab_size = "scripted", 64, 100
+    sampling_defaults: dict = {}
 
     def __init__(self, fail: bool = True) -> None:
         self.fail = fail
