@@ -121,7 +121,7 @@ def create_app(
     async def lifespan(app: FastAPI):
         client = EngineClient(load, max_queue=server_config.max_queue)
         app.state.client = client
-        app.state.serving = Serving(client, metrics)
+        app.state.serving = Serving(client, metrics, server_config.drain_timeout)
         watcher = asyncio.ensure_future(_report_load_failure(client, on_load_failure))
         yield
         watcher.cancel()

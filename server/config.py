@@ -36,6 +36,7 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_queue: int = 64  # requests waiting or running; beyond it, 503
     max_request_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are read whole
+    drain_timeout: float = 20.0  # on shutdown, seconds running requests get to finish before they are aborted
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -44,6 +45,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
         if self.max_queue < 1:
             raise ValueError(f"max-queue must be at least 1, not {self.max_queue}")
+        if not 0 <= self.drain_timeout < float("inf"):
+            raise ValueError(f"drain-timeout must be a number of seconds >= 0, not {self.drain_timeout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max-request-bytes must be at least 1, not {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key.strip():
@@ -135,6 +138,9 @@ FLAGS: tuple[Flag, ...] = (
          "server answers 503 with Retry-After", "N"),
     Flag("--max-request-bytes", ServerConfig, int, "largest request body in bytes; a larger one gets 413 "
          "before it is read whole", "N"),
+    Flag("--drain-timeout", ServerConfig, float, "on SIGTERM the server stops accepting and gives running "
+         "requests this many seconds to finish; then they are aborted (a stream ends with an error event "
+         "and [DONE])", "S"),
     Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens", "N",
          default_text="the model's max_position_embeddings"),
 )
