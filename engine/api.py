@@ -11,6 +11,7 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy (as in vLLM): float32 cannot divide by it safely
 
 
 class EngineError(Exception):
@@ -55,7 +56,7 @@ class EngineUnavailableError(EngineError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: up to the context length
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -93,7 +94,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
