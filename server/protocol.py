@@ -39,26 +39,26 @@ class OpenAIBaseModel(BaseModel):
 
     def check_text(self) -> None:
         """Refuse a lone surrogate (`"\\ud800"`) in any string: JSON allows it, UTF-8 and tokenizers do not."""
-        param = _surrogate_path(self.model_dump(), "")
+        param = _surrogate_path(self.model_dump())
         if param is not None:
-            raise InvalidRequestError(f"{param or 'the request'}: a string holds a lone surrogate "
-                                      "(invalid Unicode)", param=param or None)
+            raise InvalidRequestError(f"{param or 'a field name'}: a string holds a lone surrogate (invalid Unicode)",
+                                      param=param or None)
 
 
-def _surrogate_path(value: Any, path: str) -> str | None:
-    """The path (`messages[0].content`) of the first string holding a lone surrogate, else None."""
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string or key holding a lone surrogate, else None."""
     if isinstance(value, str):
         return path if _has_surrogate(value) else None
     if isinstance(value, dict):
-        items = value.items()
+        children = ((f"{path}.{key}" if path else str(key), str(key), item) for key, item in value.items())
     elif isinstance(value, list):
-        items = ((f"[{i}]", item) for i, item in enumerate(value))
+        children = ((f"{path}[{i}]", "", item) for i, item in enumerate(value))
     else:
         return None
-    for key, item in items:
-        key = str(key)
-        here = path + key if key.startswith("[") else f"{path}.{key}" if path else key
-        found = here if _has_surrogate(key) else _surrogate_path(item, here)
+    for here, key, item in children:
+        if _has_surrogate(key):
+            return path  # the key itself cannot be quoted: "" for a field name
+        found = _surrogate_path(item, here)
         if found is not None:
             return found
     return None

@@ -279,6 +279,7 @@ ERRORS = [
         ("prompt", "/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
         ("stop", "/v1/completions", {"prompt": "hi", "stop": ["ok", "\ud800"]}, "stop[1]"),
         ("model", "/v1/completions", {"model": "\ud800", "prompt": "hi"}, "model"),
+        ("key", "/v1/completions", {"prompt": "hi", "logit_bias": {"\ud800": 1}}, "logit_bias"),  # not quoted
     ]],
     *[(f"{param}={value}", "/v1/completions", {"prompt": "hi", "stream": stream, param: value}, 400, None, param)
       for param, value, stream in [
