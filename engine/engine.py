@@ -6,6 +6,7 @@ prefill + decode loop over a KV cache; no `model.generate` on the hot path.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -71,6 +72,9 @@ class Engine:
         self.sampling_defaults = defaults  # what a request that omits one of these gets
         self.last_times = StepTimes()
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
+        # prompts are encoded on the server's threads with their own copy, so that tokenizing a long
+        # prompt never holds up the decoding of the request that is running
+        self._encoder, self._encoder_lock = copy.deepcopy(tokenizer), threading.Lock()
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_text = tokenizer.decode(self._anchor)
         self._eamc_saver: EAMCAutosaver | None = None
@@ -120,8 +124,8 @@ class Engine:
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        with self._encoder_lock:
+            return self._encoder(text, add_special_tokens=True)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         with self._tokenizer_lock:
@@ -135,12 +139,12 @@ class Engine:
         normalised = [_normalise_message(m, i) for i, m in enumerate(messages)]
         if not normalised:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        with self._tokenizer_lock:
+        with self._encoder_lock:
             try:
-                text = self.tokenizer.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
+                text = self._encoder.apply_chat_template(normalised, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # the template's own checks, e.g. roles that must alternate
                 raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self._encoder(text, add_special_tokens=False)["input_ids"]
 
     def validate(self, request: GenerationRequest) -> None:
         prompt, params = request.prompt_token_ids, request.params

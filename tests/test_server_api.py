@@ -371,6 +371,25 @@ def test_health_answers_while_a_large_body_is_tokenized(server, http):
     assert done["health"] < done["post"]  # answered while the big request was still being prepared
 
 
+def test_a_running_stream_is_not_held_up_by_another_prompt_being_tokenized(server, http):
+    done: dict[str, float] = {}
+
+    def big() -> None:
+        with server.http() as other:
+            other.post("/v1/completions", content=words(MAX_REQUEST_BYTES - 1000),
+                       headers={"content-type": "application/json"})
+        done["big"] = time.perf_counter()
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.5)  # the tokenizer is busy with the big prompt
+    events = stream_events(http, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 30, "ignore_eos": True})
+    done["stream"] = time.perf_counter()
+    thread.join()
+    assert events[-1] == "[DONE]"
+    assert done["stream"] < done["big"]  # decoding its tokens did not wait for that tokenizer
+
+
 def test_unknown_route_is_404_in_openai_shape(http):
     response = http.get("/v1/nothing-here")
     assert response.status_code == 404 and set(response.json()["error"]) == ERROR_KEYS
