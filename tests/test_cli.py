@@ -61,14 +61,24 @@ def test_bad_settings_exit_2_with_a_message(args, env, needle):
     assert "usage: moe-serve" in result.stderr
 
 
-def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path):
+@pytest.mark.parametrize("case", ["missing-folder", "no-such-device"])
+def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path, case):
+    if case == "missing-folder":
+        args, reason = ["--model", str(tmp_path / "nonexistent")], "does not exist"
+    else:
+        from tests.fixtures.models import build_checkpoint
+
+        folder = build_checkpoint("mixtral", tmp_path / "model", num_layers=1)
+        import torch
+
+        # no GPU here ("CUDA is not available"), or no 100th one (torch's own wording)
+        args, reason = ["--model", str(folder), "--device", "cuda:99"], "" if torch.cuda.is_available() else "cuda"
     start = time.monotonic()
-    result = run_cli("--model", str(tmp_path / "nonexistent"), "--port", "0",
-                     env={**os.environ, "MOE_SERVE_STATE_DIR": str(tmp_path)})
-    assert result.returncode == 1
+    result = run_cli(*args, "--port", "0", env={**os.environ, "MOE_SERVE_STATE_DIR": str(tmp_path)})
+    assert result.returncode == 1, result.stderr[-2000:]
     assert time.monotonic() - start < 60  # run_cli's timeout: before, it served 503 forever
     last = result.stderr.strip().splitlines()[-1]
-    assert "could not load the model" in last and "nonexistent" in last and "does not exist" in last
+    assert "could not load the model" in last and reason in last.lower()
 
 
 def test_installed_console_script_answers_help():
