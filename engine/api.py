@@ -5,10 +5,13 @@ The server depends only on these and on `EngineClient` (engine/client.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy (as in vLLM): float32 cannot divide by it safely
 
 
 class EngineError(Exception):
@@ -53,7 +56,7 @@ class EngineUnavailableError(EngineError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: up to the context length
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -71,13 +74,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = [
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be a finite number > 0"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed",
+             f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]})"),
             (self.top_logprobs is None or 0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
             (self.grammar is None or not self.ignore_eos, "ignore_eos",
              "cannot be combined with a grammar: a finished grammar allows only end-of-sequence"),
@@ -93,7 +98,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

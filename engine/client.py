@@ -139,8 +139,7 @@ class EngineClient:
             if not job.aborted.is_set():  # a queued request whose client left never starts
                 for event in engine.generate(job.request, job.aborted.is_set):
                     job.emit(event)
-        except Exception as e:
-            log.exception("request %s failed", job.request.request_id)
+        except Exception as e:  # the server logs it, with this traceback, once
             job.emit(e)
         finally:
             with self._lock:

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "moe-serve/smollm2-moe-demo"
-RECIPE_VERSION = 1  # bump whenever the build below changes what lands on disk
+RECIPE_VERSION = 2  # bump whenever the build below changes what lands on disk (2: sampling defaults)
 MARKER_FILE = "moe-serve-demo.json"
 
 NUM_EXPERTS = 8
@@ -200,7 +200,10 @@ def load_dense():
 
 
 def generation_config(tokenizer):
-    """Greedy-by-default generation that stops at <|im_end|> (end of a chat turn) or <|endoftext|>."""
+    """Stops at <|im_end|> (end of a chat turn) or <|endoftext|>; the sampling defaults a request that
+    omits them gets. SmolLM2's card samples at temperature 0.2, top-p 0.9: on five simple questions
+    × 3 the demo answered 14 of 15 right with them and 3 of 15 at the OpenAI default temperature 1.0
+    (a repetition penalty of 1.1 made it worse: it penalises the prompt's own "2" in "2 + 2")."""
     from transformers import GenerationConfig
 
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
@@ -208,6 +211,10 @@ def generation_config(tokenizer):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=list(dict.fromkeys(eos)),
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
+        do_sample=True,
+        temperature=0.2,
+        top_p=0.9,
+        max_new_tokens=512,  # not the rest of a 2,048-token context
     )
 
 

@@ -6,12 +6,15 @@ prefill + decode loop over a KV cache; no `model.generate` on the hot path.
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConfig
@@ -25,6 +28,7 @@ from engine.api import (
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
+    SamplingParams,
     Usage,
 )
 from engine.chat_messages import prepare_messages, template_info
@@ -40,6 +44,7 @@ from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
+WARM_UP_TOKENS = 4
 
 
 @dataclass
@@ -66,9 +71,15 @@ class Engine:
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
         self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
                                                 loaded.config.model_type)
+        defaults = generation_defaults(loaded.folder)
+        self.max_new_tokens: int | None = defaults.pop("max_tokens", None)  # when a request sets no max_tokens
+        self.sampling_defaults = defaults  # what a request that omits one of these gets
         self.last_times = StepTimes()
         self._grammar_tokenizer = GrammarTokenizer(tokenizer, self.vocab_size, self.eos_ids)
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer fails when two threads use it at once
+        # prompts are encoded on the server's threads with their own copy, so that tokenizing a long
+        # prompt never holds up the decoding of the request that is running
+        self._encoder, self._encoder_lock = copy.deepcopy(tokenizer), threading.Lock()
         self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_text = tokenizer.decode(self._anchor)
         self._eamc_saver: EAMCAutosaver | None = None
@@ -83,8 +94,24 @@ class Engine:
         loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         engine = cls(loaded, tokenizer, config, device)
+        engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
         engine._attach_cache_features()
+        shown = {**engine.sampling_defaults, "max_tokens": engine.max_new_tokens or "the rest of the context"}
+        log.info("a request that omits them gets: %s (from generation_config.json, else the OpenAI defaults)",
+                 ", ".join(f"{k}={v}" for k, v in shown.items()))
         return engine
+
+    def warm_up(self) -> None:
+        """A short generation through the whole path (chat template, prefill, decode, detokenizer), so
+        that the first request does not pay for lazy initialisation and a cold expert cache."""
+        start = time.perf_counter()
+        has_template = getattr(self.tokenizer, "chat_template", None)
+        prompt = self.apply_chat_template([{"role": "user", "content": "Hi"}]) if has_template else self.encode("Hi")
+        request = GenerationRequest("warm-up", prompt, SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0,
+                                                                        ignore_eos=True))
+        for _ in self.generate(request):
+            pass
+        log.info("warmed up in %.1f s", time.perf_counter() - start)
 
     def _attach_cache_features(self) -> None:
         runtime, config = self.runtime, self.config
@@ -113,8 +140,8 @@ class Engine:
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        with self._encoder_lock:
+            return self._encoder(text, add_special_tokens=True)["input_ids"]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
@@ -130,14 +157,14 @@ class Engine:
         if tools and not supports_tools:
             raise InvalidRequestError("this model's chat template cannot take tools", param="tools")
         normalised = prepare_messages(messages, tool_template=supports_tools)
-        with self._tokenizer_lock:
+        with self._encoder_lock:
             try:
-                text = self.tokenizer.apply_chat_template(
+                text = self._encoder.apply_chat_template(
                     normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
                 )
             except Exception as e:  # the template's own checks, e.g. roles that must alternate
                 raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self._encoder(text, add_special_tokens=False)["input_ids"]
 
     def validate(self, request: GenerationRequest) -> None:
         prompt, params = request.prompt_token_ids, request.params
@@ -162,7 +189,8 @@ class Engine:
     ) -> Iterator[GenerationEvent]:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
-        max_tokens = params.max_tokens or self.max_model_len - len(prompt)
+        room = self.max_model_len - len(prompt)
+        max_tokens = params.max_tokens or min(self.max_new_tokens or room, room)
         constraint = None
         if params.grammar is not None:
             constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device)
@@ -328,6 +356,26 @@ def _top_k_of(gate):
 
 def _model_max_len(config) -> int:
     return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+# generation_config.json key -> SamplingParams field, as vLLM's `--generation-config auto` reads them
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """The sampling defaults the model's generation_config.json sets (only those it sets explicitly)."""
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    defaults = {ours: config[key] for key, ours in GENERATION_DEFAULT_KEYS.items() if config.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (InvalidRequestError, TypeError) as e:
+        log.warning("ignoring the sampling defaults in %s: %s", folder / "generation_config.json", e)
+        return {}
+    return defaults
 
 
 def _eos_ids(folder: Path, tokenizer) -> set[int]:

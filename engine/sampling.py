@@ -16,6 +16,8 @@ import torch
 from engine.api import SamplingParams, TokenLogprob, TopLogprob
 from engine.constraint import GrammarConstraint
 
+FLOAT_MAX = torch.finfo(torch.float32).max
+
 
 class Sampler:
     def __init__(
@@ -51,10 +53,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits` [V] of the last position → the chosen token id."""
-        scores = self._processed(logits[: self.vocab_size].float())
+        scores = self._processed(logits[: self.vocab_size].float()).clamp(-FLOAT_MAX, FLOAT_MAX)  # no inf
         if self.params.greedy:
             return int(torch.argmax(scores))
-        scores = scores / self.params.temperature
+        # the best at 0 first: a tiny temperature then sends the rest to -inf, never inf/inf = nan
+        scores = (scores - scores.max()) / self.params.temperature
         scores = self._filter(scores)
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
@@ -81,9 +84,8 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
             cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-            drop_sorted = (
-                cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
-            )  # keeps the first token
+            drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
+            drop_sorted[0] = False  # the most likely token always stays, however small top_p is
             scores = scores.masked_fill(
                 torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf")
             )

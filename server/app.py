@@ -8,13 +8,14 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig
+from server import VERSION
 from server.config import ServerConfig, is_loopback_host
 from server.errors import APIError, install_error_handlers
 from server.metrics import ServerMetrics, status_of
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 OPEN_PATHS = ("/health",)  # answered without an API key
 
-try:
-    VERSION = version("moe-serve")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    VERSION = "dev"
 SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"
 
 
@@ -64,6 +61,36 @@ class GuardMiddleware:
         return None
 
 
+class BodyLimitMiddleware:
+    """Refuses a request body over `max_bytes` with 413 before reading it whole: at once by its
+    Content-Length, and by counting the bytes of a chunked upload as they arrive."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.too_large().response()(scope, receive, send)
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self.too_large().message)  # FastAPI's body reader lets it through
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"The request body is larger than the server's limit of {self.max_bytes} bytes "
+                        "(--max-request-bytes).", code="request_too_large")
+
+
 def _host_name(host: str) -> str:
     """`[::1]:8000` -> `::1`, `localhost:8000` -> `localhost`."""
     if host.startswith("["):
@@ -81,7 +108,10 @@ def create_app(
     server_config: ServerConfig,
     engine_config: EngineConfig,
     load_engine: Callable[[], object] | None = None,
+    on_load_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
+    """`on_load_failure(reason)` runs on the event loop when the model cannot be loaded (the CLI
+    exits); without it the server stays up and answers 503 with the reason."""
     from engine.client import EngineClient
     from server.routes import router
 
@@ -91,8 +121,10 @@ def create_app(
     async def lifespan(app: FastAPI):
         client = EngineClient(load, max_queue=server_config.max_queue)
         app.state.client = client
-        app.state.serving = Serving(client, metrics)
+        app.state.serving = Serving(client, metrics, server_config.drain_timeout)
+        watcher = asyncio.ensure_future(_report_load_failure(client, on_load_failure))
         yield
+        watcher.cancel()
         log.info("shutting down the engine (saving its state)")
         await asyncio.to_thread(client.shutdown)
         log.info("engine shut down")
@@ -108,8 +140,14 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app, on_error=lambda request, error: _count_error(metrics, request, error))
     app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
     app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback)
     return app
+
+
+async def _report_load_failure(client, on_load_failure: Callable[[str], None] | None) -> None:
+    if on_load_failure is not None and not await asyncio.to_thread(client.wait_ready):
+        on_load_failure(client.error or "the engine worker stopped")
 
 
 def _count_error(metrics: ServerMetrics, request, error: APIError) -> None:

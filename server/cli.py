@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from server.config import ConfigError, ServerConfig, build_parser, load_config
 
 log = logging.getLogger("moe_serve")
 
-GRACEFUL_SHUTDOWN_S = 10  # then in-flight requests are cancelled (and so aborted)
+STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot start
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -25,12 +25,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # after parsing, so that `--help` and bad flags answer at once
 
     from server.app import create_app
+    from server.serving import SHUTDOWN_GRACE_S
 
-    app = create_app(server_config, engine_config)
+    failures: list[str] = []
+
+    def stop_on_load_failure(reason: str) -> None:
+        failures.append(reason)  # /health would answer 503 forever: a dead end, so exit
+        server.should_exit = True
+
+    app = create_app(server_config, engine_config, on_load_failure=stop_on_load_failure)
+    # past the drain, aborted streams need a moment for their error event and [DONE]
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
+                            timeout_graceful_shutdown=server_config.drain_timeout + SHUTDOWN_GRACE_S)
+    server = uvicorn.Server(config)
+    server.handle_exit = _draining(server.handle_exit, app)
     log.info("serving %s on http://%s:%d/v1", engine_config.model or "the built-in demo model",
              _url_host(server_config.host), server_config.port)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="info",
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if failures:
+        log.error("moe-serve: could not load the model: %s", failures[0])
+        sys.exit(1)
+    if not server.started:  # e.g. the port is taken; uvicorn has said why
+        sys.exit(STARTUP_FAILURE)
+
+
+def _draining(handle_exit: Callable, app) -> Callable:
+    """uvicorn's signal handler, which also starts the drain: uvicorn stops accepting, and running
+    requests get --drain-timeout to finish."""
+
+    def handle(sig, frame) -> None:
+        serving = getattr(app.state, "serving", None)  # none before the app has started
+        if serving is not None:
+            serving.begin_drain()
+        handle_exit(sig, frame)
+
+    return handle
 
 
 def warn_if_exposed(config: ServerConfig) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine.config import DTYPES, POLICY_NAMES, EngineConfig
+from server import VERSION
 from server.tool_parsers import PARSER_NAMES
 
 ENV_PREFIX = "MOE_SERVE_"
@@ -36,6 +37,8 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_queue: int = 64  # requests waiting or running; beyond it, 503
     tool_call_parser: str = "auto"  # auto: from the chat template, else the model type
+    max_request_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are read whole
+    drain_timeout: float = 20.0  # on shutdown, seconds running requests get to finish before they are aborted
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -44,6 +47,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
         if self.max_queue < 1:
             raise ValueError(f"max-queue must be at least 1, not {self.max_queue}")
+        if not 0 <= self.drain_timeout < float("inf"):
+            raise ValueError(f"drain-timeout must be a number of seconds >= 0, not {self.drain_timeout}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max-request-bytes must be at least 1, not {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api-key must not be blank")
         if self.tool_call_parser not in PARSER_NAMES:
@@ -119,18 +126,25 @@ FLAGS: tuple[Flag, ...] = (
          "--expert-cache-experts)", "GB"),
     Flag("--host-cache-gb", EngineConfig, float, "host-RAM tier for experts in GiB; experts beyond it "
          "are read from disk on demand", "GB", default_text="all experts in RAM"),
-    Flag("--policy", EngineConfig, str, "expert cache policy", choices=POLICY_NAMES),
+    Flag("--policy", EngineConfig, str, "expert cache policy; only sparsity-aware learns from past requests "
+         "(the EAMC): with lru or lfu the EAMC and its file are off", choices=POLICY_NAMES),
     Flag("--prefetch", EngineConfig, parse_bool, "prefetch the experts the predictor expects next "
          "(--no-prefetch: load on demand only)"),
     Flag("--eamc-path", EngineConfig, str, "file that keeps the learned expert activation matrices "
-         "across restarts", "FILE", default_text="one file per model under the per-user state folder"),
-    Flag("--eamc-capacity", EngineConfig, int, "how many expert activation matrices the EAMC keeps", "N"),
+         "across restarts (sparsity-aware only)", "FILE",
+         default_text="one file per model under the per-user state folder"),
+    Flag("--eamc-capacity", EngineConfig, int, "how many expert activation matrices the EAMC keeps (sparsity-aware only)", "N"),
     Flag("--record-trace", EngineConfig, str, "append every request's expert routing to FILE "
          "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
     Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` on every endpoint "
          "but /health", "KEY", default_text="none: no authentication"),
     Flag("--max-queue", ServerConfig, int, "requests waiting or running at once; beyond it the "
          "server answers 503 with Retry-After", "N"),
+    Flag("--max-request-bytes", ServerConfig, int, "largest request body in bytes; a larger one gets 413 "
+         "before it is read whole", "N"),
+    Flag("--drain-timeout", ServerConfig, float, "on SIGTERM the server stops accepting and gives running "
+         "requests this many seconds to finish; then they are aborted (a stream ends with an error event "
+         "and [DONE])", "S"),
     Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens", "N",
          default_text="the model's max_position_embeddings"),
     Flag("--tool-call-parser", ServerConfig, str, "how tool calls are read out of the model's output: "
@@ -151,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Precedence: flag > environment > YAML > default.",
         argument_default=argparse.SUPPRESS,  # only flags actually given reach the namespace
     )
+    parser.add_argument("--version", action="version", version=f"moe-serve {VERSION}")
     parser.add_argument("--config", metavar="FILE", help=f"YAML file of settings, keys as the flag names "
                         f"with underscores (see configs/) (env {CONFIG_ENV})")
     for flag in FLAGS:

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import (
     ContextLengthError,
@@ -71,6 +72,9 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def validation_error(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+        reason = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {reason}".rstrip(": "))
     param = _param(first.get("loc", ()))
     message = first.get("msg", "invalid request")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
@@ -105,12 +109,8 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         return answer(request, validation_error(exc))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return answer(request, APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
-
-    async def crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return answer(request, to_api_error(exc))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(InvalidRequestError, api_error)
@@ -118,4 +118,33 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     app.add_exception_handler(EngineUnavailableError, api_error)
     app.add_exception_handler(RequestValidationError, request_validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, crash)
+    # not add_exception_handler(Exception): Starlette re-raises after answering, so each crash was logged twice
+    app.add_middleware(CrashMiddleware, on_error=on_error)
+
+
+class CrashMiddleware:
+    """Answers an unhandled exception with a 500 in OpenAI's shape, and logs it once."""
+
+    def __init__(self, app: ASGIApp, on_error=None) -> None:
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            if started:  # too late for a status: the response just ends
+                return
+            error = to_api_error(exc)
+            if self.on_error is not None:
+                self.on_error(Request(scope), error)
+            await error.response()(scope, receive, send)

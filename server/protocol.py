@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +36,40 @@ class OpenAIBaseModel(BaseModel):
     @property
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+    def check_text(self) -> None:
+        """Refuse a lone surrogate (`"\\ud800"`) in any string: JSON allows it, UTF-8 and tokenizers do not."""
+        param = _surrogate_path(self.model_dump())
+        if param is not None:
+            raise InvalidRequestError(f"{param or 'a field name'}: a string holds a lone surrogate (invalid Unicode)",
+                                      param=param or None)
+
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string or key holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        children = ((f"{path}.{key}" if path else str(key), str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        children = ((f"{path}[{i}]", "", item) for i, item in enumerate(value))
+    else:
+        return None
+    for here, key, item in children:
+        if _has_surrogate(key):
+            return path  # the key itself cannot be quoted: "" for a field name
+        found = _surrogate_path(item, here)
+        if found is not None:
+            return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class ResponseModel(BaseModel):
@@ -114,10 +149,23 @@ class SamplingRequest(OpenAIBaseModel):
     def _top_logprobs(self) -> int | None:
         return None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def _request_param(self, param: str | None) -> str | None:
+        """The request field that set the SamplingParams field `param` (for error messages)."""
+        return param
+
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's values for the fields the request leaves out."""
         for param, refused, why in self._unsupported():
             if refused:
                 raise InvalidRequestError(f"'{param}' is not supported by this server: {why}", param=param)
+        try:
+            return self._sampling_params(defaults or {})
+        except InvalidRequestError as e:
+            param = self._request_param(e.param)
+            message = str(e) if param == e.param else str(e).replace(e.param, param, 1)
+            raise InvalidRequestError(message, param=param, code=e.code) from None
+
+    def _sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         given = {
             "max_tokens": self._max_tokens(),
             "temperature": self.temperature,
@@ -133,7 +181,7 @@ class SamplingRequest(OpenAIBaseModel):
             "top_logprobs": self._top_logprobs(),
             "ignore_eos": self.ignore_eos,
         }
-        return SamplingParams(**{k: v for k, v in given.items() if v is not None})  # None: engine default
+        return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
 
     @property
     def include_usage(self) -> bool:
@@ -258,6 +306,11 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def _request_param(self, param: str | None) -> str | None:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
+
     def engine_messages(self) -> list[dict[str, Any]]:
         return [message.to_engine() for message in self.messages]
 
@@ -370,6 +423,9 @@ class CompletionRequest(SamplingRequest):
 
     def _top_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _request_param(self, param: str | None) -> str | None:
+        return "logprobs" if param == "top_logprobs" else param
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a one-element batch is unwrapped."""

@@ -6,6 +6,7 @@ import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, GenerationRequest
 from server import protocol as p
@@ -34,18 +35,22 @@ def serving(raw: Request) -> Serving:
     return raw.app.state.serving
 
 
-def _note_ignored(body: p.OpenAIBaseModel) -> None:
+def _accept(body: p.OpenAIBaseModel) -> None:
+    """Checks every request must pass before anything else reads it."""
+    body.check_text()  # first: error messages and logs may quote the request's strings
     if body.ignored_fields:
         log.info("ignoring unsupported request fields: %s", ", ".join(body.ignored_fields))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
-    _note_ignored(body)
+    _accept(body)
     engine = ready_engine(raw, body.model)
     plan = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser)
-    params = with_response_format(plan.sampling_params(body.to_sampling_params()), body.response_format)
-    prompt = engine.apply_chat_template(body.engine_messages(), plan.tools)  # the model's own template
+    params = body.to_sampling_params(engine.sampling_defaults)
+    params = with_response_format(plan.sampling_params(params), body.response_format)
+    # the model's own template, never the request's; off the event loop, like all tokenizing
+    prompt = await run_in_threadpool(engine.apply_chat_template, body.engine_messages(), plan.tools)
     fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan)
     request = GenerationRequest(fmt.id, prompt, params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
@@ -57,11 +62,11 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
 
 @router.post("/v1/completions")
 async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
-    _note_ignored(body)
+    _accept(body)
     engine = ready_engine(raw, body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(engine.sampling_defaults)
     prompt = body.single_prompt()
-    prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
     fmt = CompletionFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=body.logprobs is not None)
     request = GenerationRequest(fmt.id, prompt_ids, params)
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)

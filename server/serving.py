@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client has gone
 CLEANUP_TIMEOUT_S = 5
-SHUTDOWN_GRACE_S = 3  # for streams to end with an error event and [DONE] on shutdown
+SHUTDOWN_GRACE_S = 3  # after the drain: for aborted streams to end with an error event and [DONE]
+DRAIN_TIMEOUT_S = 20.0  # on shutdown, what running requests get to finish (--drain-timeout)
+DRAIN_POLL_S = 0.1
 
 
 class Submission:
@@ -241,16 +244,32 @@ def _check_finished(outcome: Outcome, shutting_down: bool = False) -> None:
     raise EngineUnavailableError("the request was aborted before it finished")
 
 
-async def _abort_on(shutdown: anyio.Event, submission: Submission) -> None:
-    await shutdown.wait()
-    submission.client.abort(submission.request_id)  # the engine ends it within a decode step
-
-
 class Serving:
-    """Drives requests through the engine client; shared by the chat and completion routes."""
+    """Drives requests through the engine client; shared by the chat and completion routes.
 
-    def __init__(self, client, metrics: ServerMetrics) -> None:
-        self.client, self.metrics = client, metrics
+    On shutdown (`begin_drain`, or sse-starlette seeing the server stop) running requests get
+    `drain_s` to finish; then they are aborted and answered 503 (a stream: an error event, [DONE]).
+    """
+
+    def __init__(self, client, metrics: ServerMetrics, drain_s: float = DRAIN_TIMEOUT_S) -> None:
+        self.client, self.metrics, self.drain_s = client, metrics, drain_s
+        self.drain_deadline: float | None = None
+
+    def begin_drain(self) -> None:
+        """Safe from a signal handler: it only sets a time."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.drain_s
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
+
+    async def _abort_after_drain(self, submission: Submission, shutdown: anyio.Event | None = None) -> None:
+        while not self.shutting_down:
+            if shutdown is not None and shutdown.is_set():
+                self.begin_drain()
+            await asyncio.sleep(DRAIN_POLL_S)
+        submission.client.abort(submission.request_id)  # the engine ends it within a decode step
 
     async def run(self, raw: Request, fmt: Format, request: GenerationRequest, stream: bool,
                   include_usage: bool = False) -> Response:
@@ -261,22 +280,25 @@ class Serving:
             raise e.for_prompt(fmt.prompt_param) from None
         if not stream:
             return await self._complete(raw, submission, fmt, timer)
-        shutdown = anyio.Event()  # set by sse-starlette when the server stops: end streams cleanly
+        shutdown = anyio.Event()  # set by sse-starlette when the server stops: the drain begins
         events = self._stream(submission, fmt, include_usage, timer, shutdown)
-        return EventSourceResponse(events, sep="\n", shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+        return EventSourceResponse(events, sep="\n", shutdown_event=shutdown,
+                                   shutdown_grace_period=self.drain_s + SHUTDOWN_GRACE_S)
 
     async def _stream(self, submission: Submission, fmt: Format, include_usage: bool, timer,
                       shutdown: anyio.Event) -> AsyncIterator[str]:
         status = ABORTED  # unless it ends below: the client went away
-        stopper = asyncio.ensure_future(_abort_on(shutdown, submission))
+        stopper = asyncio.ensure_future(self._abort_after_drain(submission, shutdown))
         try:
-            async for chunk in self._chunks(submission, fmt, include_usage, timer, shutdown):
+            async for chunk in self._chunks(submission, fmt, include_usage, timer):
                 yield _json(chunk)
             status = OK
         except Exception as e:  # after the 200 went out: an error event, then [DONE]
             status = ERROR
             error = to_api_error(e)
-            log.warning("stream %s failed: %s", submission.request_id, error.message)
+            crash = error.code == "internal_error"
+            log.log(logging.ERROR if crash else logging.WARNING, "stream %s failed: %s",
+                    submission.request_id, error.message, exc_info=crash)
             yield error.body().model_dump_json()
         finally:
             stopper.cancel()
@@ -284,8 +306,8 @@ class Serving:
             await submission.close()
         yield "[DONE]"
 
-    async def _chunks(self, submission: Submission, fmt: Format, include_usage: bool, timer,
-                      shutdown: anyio.Event) -> AsyncIterator[BaseModel]:
+    async def _chunks(self, submission: Submission, fmt: Format, include_usage: bool,
+                      timer) -> AsyncIterator[BaseModel]:
         for chunk in fmt.opening():
             yield chunk
         outcome, offset = Outcome(), 0
@@ -296,7 +318,7 @@ class Serving:
                     yield chunk
             offset += len(event.text)
             outcome.add(event)
-        _check_finished(outcome, shutdown.is_set())
+        _check_finished(outcome, self.shutting_down)
         for chunk in fmt.finish(outcome.finish_reason):
             yield chunk
         if include_usage:
@@ -305,10 +327,12 @@ class Serving:
     async def _complete(self, raw: Request, submission: Submission, fmt: Format, timer) -> Response:
         collect = asyncio.ensure_future(self._collect(submission, timer))
         gone = asyncio.ensure_future(_wait_for_disconnect(raw))
+        stopper = asyncio.ensure_future(self._abort_after_drain(submission))  # ends `collect` with "abort"
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            stopper.cancel()
             if not collect.done():  # the client left (or the server is stopping): stop the request
                 collect.cancel()
                 with anyio.CancelScope(shield=True):
@@ -317,7 +341,7 @@ class Serving:
         if collect.cancelled():
             return Response(status_code=CLIENT_CLOSED_STATUS)
         outcome = collect.result()
-        _check_finished(outcome)
+        _check_finished(outcome, self.shutting_down)
         timer.done(OK)
         return JSONResponse(fmt.response(outcome).model_dump(exclude_unset=True))
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,12 @@ def test_help_documents_every_flag_and_its_variable():
     assert "flag > environment > YAML > default" in text
 
 
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("moe-serve ")
+    assert "with lru or lfu the EAMC and its file are off" in " ".join(run_cli("--help").stdout.split())
+
+
 def test_help_does_not_load_the_engine():
     code = "import sys; from server.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
            "assert 'torch' not in sys.modules, 'torch imported'"
@@ -45,12 +52,33 @@ def test_help_does_not_load_the_engine():
     (["--policy", "fifo"], {}, "invalid choice"),
     (["--expert-cache-gb", "2", "--expert-cache-experts", "3"], {}, "not both"),
     ([], {"MOE_SERVE_MAX_QUEUE": "zero"}, "MOE_SERVE_MAX_QUEUE"),
+    (["--max-request-bytes", "0"], {}, "max-request-bytes must be at least 1"),
 ])
 def test_bad_settings_exit_2_with_a_message(args, env, needle):
     result = run_cli(*args, env={**os.environ, **env})
     assert result.returncode == 2
     assert needle in result.stderr
     assert "usage: moe-serve" in result.stderr
+
+
+@pytest.mark.parametrize("case", ["missing-folder", "no-such-device"])
+def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path, case):
+    if case == "missing-folder":
+        args, reason = ["--model", str(tmp_path / "nonexistent")], "does not exist"
+    else:
+        from tests.fixtures.models import build_checkpoint
+
+        folder = build_checkpoint("mixtral", tmp_path / "model", num_layers=1)
+        import torch
+
+        # no GPU here ("CUDA is not available"), or no 100th one (torch's own wording)
+        args, reason = ["--model", str(folder), "--device", "cuda:99"], "" if torch.cuda.is_available() else "cuda"
+    start = time.monotonic()
+    result = run_cli(*args, "--port", "0", env={**os.environ, "MOE_SERVE_STATE_DIR": str(tmp_path)})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert time.monotonic() - start < 60  # run_cli's timeout: before, it served 503 forever
+    last = result.stderr.strip().splitlines()[-1]
+    assert "could not load the model" in last and reason in last.lower()
 
 
 def test_installed_console_script_answers_help():

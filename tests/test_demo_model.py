@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from engine import demo_model as dm
+from engine.engine import generation_defaults
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -105,6 +106,8 @@ def test_generation_config_stops_at_end_of_turn(built, loaded):
     eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    # what a request that omits them gets: low-temperature sampling and a bounded answer
+    assert generation_defaults(built) == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
 
 
 @pytest.mark.slow

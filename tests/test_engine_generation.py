@@ -1,6 +1,7 @@
 """Generation features through the engine: chat templates, stop strings, seeds, max_tokens,
 EOS, logprobs, abort, and a RAM tier smaller than the experts."""
 
+import json
 import random
 import time
 
@@ -189,3 +190,36 @@ def test_tools_are_refused_by_a_template_that_cannot_take_them(engine):
     tools = [{"type": "function", "function": {"name": "f"}}]
     with pytest.raises(InvalidRequestError, match="cannot take tools"):
         engine.apply_chat_template([{"role": "user", "content": "hi"}], tools)
+
+
+def test_generation_config_sets_what_a_request_omits(tmp_path):
+    folder = build_checkpoint("mixtral", tmp_path, num_layers=1)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.3, "top_p": 0.5,
+                                "do_sample": True, "max_new_tokens": 3}))
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+    assert engine.sampling_defaults == {"temperature": 0.3, "top_p": 0.5} and engine.max_new_tokens == 3
+    _, events = run(engine, engine.encode(PROMPT), ignore_eos=True)  # no max_tokens
+    assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 3
+    _, events = run(engine, [5] * (engine.max_model_len - 2), ignore_eos=True)
+    assert events[-1].usage.completion_tokens == 2  # near the end of the context: what is left, no error
+
+
+def test_invalid_generation_config_values_are_ignored(tmp_path):
+    folder = build_checkpoint("mixtral", tmp_path, num_layers=1)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "top_p": 0.0, "max_new_tokens": 3}))
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+    assert engine.sampling_defaults == {} and engine.max_new_tokens is None
+
+
+def test_load_warms_up_through_the_whole_path_and_leaves_no_record(tmp_path):
+    folder = build_checkpoint("mixtral", tmp_path / "model", num_layers=2)
+    trace = tmp_path / "trace.jsonl"
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", expert_cache_experts=4,
+                                      eamc_path=str(tmp_path / "eamc"), record_trace=str(trace)))
+    counters = engine.cache_counters()
+    assert counters["hits"] + counters["misses"] > 0  # experts already ran: the first request starts warm
+    assert counters["eamc_entries"] == 0  # the warm-up is not a request the EAMC learns from ...
+    engine.close()
+    assert len(trace.read_text().splitlines()) == 1  # ... nor one the trace records (its header only)

@@ -140,7 +140,12 @@ def test_fused_and_per_expert_give_identical_logits(checkpoints, family):
     input_ids = torch.tensor([PROMPT])
     with torch.no_grad():
         logits = [load_reference(checkpoints(family, layout))(input_ids).logits for layout in LAYOUTS]
-    assert torch.equal(logits[0], logits[1])
+    # The two layouts run different kernels (one fused matmul vs. per-expert ones), so float32 sums
+    # are ordered differently: bitwise equality depends on the CPU. Measured differences are
+    # 1.4e-6 (qwen2_moe) and 4.8e-7 (deepseek_v2) on logits of std > 0.5; 1e-5 is a few float32
+    # ulps at that scale yet far below any real slip in the weight mapping.
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))  # the same greedy tokens
     assert logits[0].std() > 0.5  # not the near-uniform logits of std-0.02 init
 
 
@@ -190,13 +195,13 @@ def test_reference_greedy_ignores_eos(tmp_path):
 
 
 def test_same_seed_same_weights_other_seed_differs(tmp_path):
-    outputs = []
+    weights = []
     for seed, name in ((0, "a"), (0, "b"), (1, "c")):
         folder = build_checkpoint("mixtral", tmp_path / name, seed=seed, num_layers=1)
-        with torch.no_grad():
-            outputs.append(load_reference(folder)(torch.tensor([PROMPT])).logits)
-    assert torch.equal(outputs[0], outputs[1])
-    assert not torch.allclose(outputs[0], outputs[2])
+        weights.append(load_reference(folder).state_dict())
+    # the weights themselves, not logits: data is bitwise reproducible, kernels need not be
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
 
 
 def test_bfloat16_checkpoint_keeps_router_in_float32(tmp_path):

@@ -81,8 +81,28 @@ def test_token_logprob_reports_raw_distribution_and_top_alternatives():
         {"max_tokens": 0},
         {"top_logprobs": 21},
         {"logit_bias": {1: 101}},
+        {"seed": 2**64},  # beyond what torch.Generator takes: was a 500 inside the sampler
+        {"seed": -(2**63) - 1},
+        {"temperature": float("inf")},
+        {"repetition_penalty": float("inf")},
     ],
 )
 def test_out_of_range_parameters_are_refused(kw):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_seeds_at_both_ends_of_the_range_sample(seed):
+    assert 0 <= make(seed=seed).sample(torch.zeros(V)) < V
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-300},
+                                {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300},
+                                {"temperature": 1e-40, "logit_bias": {3: 100}}])
+def test_extreme_values_in_range_still_sample_the_likely_token(kw):
+    logits = torch.tensor([0.1, 3.0, 2.9, -1, 0, 0, 0, 0])
+    picked = make(prompt=[1, 3], seed=1, **kw).sample(logits)  # was: "probability tensor contains nan"
+    assert 0 <= picked < V
+    if "temperature" in kw or "top_p" in kw:
+        assert picked == (3 if "logit_bias" in kw else 1)  # as good as greedy

@@ -23,11 +23,17 @@ LONG = 490  # tokens: the fixture's context is 512
 ACCESSES_PER_TOKEN = 3 * 2  # the fixture: 3 MoE layers, top-2
 
 
+MODEL_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 40}  # in generation_config.json, as real models set them
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from tests.fixtures.models import build_checkpoint
 
-    return build_checkpoint("mixtral", tmp_path_factory.mktemp("tiny-mixtral"))
+    folder = build_checkpoint("mixtral", tmp_path_factory.mktemp("tiny-mixtral"))
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, **MODEL_DEFAULTS}))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,16 @@ def test_chat_streamed_text_equals_non_streamed_at_temperature_0(client):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [full.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_omitted_parameters_take_the_model_generation_config(client):
+    kwargs = {"model": MODEL, "messages": CHAT, "extra_body": {"ignore_eos": True}}
+    a, b = (client.chat.completions.create(**kwargs) for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content  # temperature 0: greedy
+    assert a.usage.completion_tokens == MODEL_DEFAULTS["max_new_tokens"]  # not the rest of the context
+    assert a.choices[0].finish_reason == "length"
+    sampled = client.chat.completions.create(**kwargs, temperature=1.0, seed=1, max_tokens=5)
+    assert sampled.usage.completion_tokens == 5  # what the request sets wins
 
 
 def test_chat_usage_counts(client, tokenizer):
@@ -257,12 +273,44 @@ ERRORS = [
      "prompt"),
     ("batched-prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None, "prompt"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, None, "echo"),
+    # every field's type and range is checked before the engine sees it (these were 500s or nonsense)
+    *[(f"surrogate-{name}", path, body, 400, None, param) for name, path, body, param in [
+        ("content", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 there"}]},
+         "messages[0].content"),
+        ("part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                     "text": "\udfff"}]}]},
+         "messages[0].content[0].text"),
+        ("name", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]},
+         "messages[0].name"),
+        ("prompt", "/v1/completions", {"prompt": "hi \ud800 there"}, "prompt"),
+        ("stop", "/v1/completions", {"prompt": "hi", "stop": ["ok", "\ud800"]}, "stop[1]"),
+        ("model", "/v1/completions", {"model": "\ud800", "prompt": "hi"}, "model"),
+        ("key", "/v1/completions", {"prompt": "hi", "logit_bias": {"\ud800": 1}}, "logit_bias"),  # not quoted
+    ]],
+    *[(f"{param}={value}", "/v1/completions", {"prompt": "hi", "stream": stream, param: value}, 400, None, param)
+      for param, value, stream in [
+          ("seed", 2**64, False), ("seed", 2**64, True), ("seed", -(2**63) - 1, False),
+          ("temperature", float("inf"), False), ("temperature", float("nan"), True),
+          ("top_p", 0, False), ("top_p", 1.5, False), ("top_k", -2, False), ("min_p", 2, False),
+          ("presence_penalty", 3, False), ("frequency_penalty", -3, False),
+          ("repetition_penalty", 0, False), ("repetition_penalty", float("inf"), False),
+          ("max_tokens", 0, False), ("max_tokens", 2.5, False), ("logprobs", 30, False), ("logprobs", -1, False),
+          ("logit_bias", {"5": 101}, False), ("logit_bias", {"5": float("nan")}, False),
+          ("logit_bias", {"five": 1}, False), ("stop", 5, False), ("n", 0, False), ("stream", "maybe", False),
+      ]],
+    ("max-completion-tokens", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, None,
+     "max_completion_tokens"),
+    ("top-logprobs-negative", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1},
+     400, None, "top_logprobs"),
+    ("message-not-an-object", "/v1/chat/completions", {"messages": ["hi"]}, 400, None, "messages[0]"),
+    ("body-not-an-object", "/v1/completions", ["hi"], 400, None, None),
 ]
 
 
 @pytest.mark.parametrize("path, body, status, code, param", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
 def test_error_table(http, path, body, status, code, param):
-    response = http.post(path, json=body)
+    # json.dumps, not httpx's json=: it sends a lone surrogate as an escape (and NaN), as clients may
+    response = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(response.json()) == {"error"} and set(error) == ERROR_KEYS
@@ -273,6 +321,7 @@ def test_error_table(http, path, body, status, code, param):
 def test_malformed_json_is_400(http):
     response = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and set(response.json()["error"]) == ERROR_KEYS
+    assert response.json()["error"]["param"] is None  # not the character position "[1]"
 
 
 def test_sdk_raises_typed_errors(client):
@@ -282,6 +331,69 @@ def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError, match="cannot call tools"):
         client.chat.completions.create(model=MODEL, messages=CHAT, tool_choice="required",
                                        tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+MAX_REQUEST_BYTES = 4 * 2**20  # the default --max-request-bytes
+
+
+def words(n_bytes: int) -> bytes:
+    return json.dumps({"prompt": "word " * (n_bytes // 5), "max_tokens": 1}).encode()
+
+
+def chunks(body: bytes, size: int = 2**16):
+    yield from (body[i: i + size] for i in range(0, len(body), size))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_oversize_body_is_413_before_it_is_read(http, chunked):
+    body = words(3 * MAX_REQUEST_BYTES)
+    start = time.perf_counter()
+    response = http.post("/v1/completions", content=chunks(body) if chunked else body,
+                         headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS and error["code"] == "request_too_large"
+    assert time.perf_counter() - start < 2  # tokenizing the text took 20 s
+
+
+def test_health_answers_while_a_large_body_is_tokenized(server, http):
+    body = words(MAX_REQUEST_BYTES - 1000)  # ~800k tokens: seconds of tokenizer work, then refused
+    done: dict[str, float] = {}
+
+    def post() -> None:
+        with server.http() as other:
+            status = other.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert status.status_code == 400
+        done["post"] = time.perf_counter()
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    time.sleep(0.5)  # the body is in; the tokenizer is busy
+    start = time.perf_counter()
+    assert http.get("/health").status_code == 200
+    done["health"] = time.perf_counter()
+    thread.join()
+    assert done["health"] - start < 1.0
+    assert done["health"] < done["post"]  # answered while the big request was still being prepared
+
+
+def test_a_running_stream_is_not_held_up_by_another_prompt_being_tokenized(server, http):
+    done: dict[str, float] = {}
+
+    def big() -> None:
+        with server.http() as other:
+            other.post("/v1/completions", content=words(MAX_REQUEST_BYTES - 1000),
+                       headers={"content-type": "application/json"})
+        done["big"] = time.perf_counter()
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.5)  # the tokenizer is busy with the big prompt
+    events = stream_events(http, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 30, "ignore_eos": True})
+    done["stream"] = time.perf_counter()
+    thread.join()
+    assert events[-1] == "[DONE]"
+    assert done["stream"] < done["big"]  # decoding its tokens did not wait for that tokenizer
 
 
 def test_unknown_route_is_404_in_openai_shape(http):

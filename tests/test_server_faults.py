@@ -3,6 +3,7 @@ uvicorn server in this process: the real app and `EngineClient` over a scripted 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ class ScriptedEngine:
 
     model_name, max_model_len, vocab_size = "scripted", 64, 100
     chat_template_info = ChatTemplateInfo(supports_tools=False, source="", model_type="scripted")
+    sampling_defaults: dict = {}
 
     def __init__(self, fail: bool = True) -> None:
         self.fail = fail
@@ -57,9 +59,11 @@ class ScriptedEngine:
 
 
 class InProcessServer:
-    def __init__(self, load_engine: Callable[[], object]) -> None:
+    def __init__(self, load_engine: Callable[[], object], on_load_failure: Callable[[str], None] | None = None,
+                 ) -> None:
         self.port = free_port()
-        app = create_app(ServerConfig(port=self.port), EngineConfig(), load_engine=load_engine)
+        app = create_app(ServerConfig(port=self.port), EngineConfig(), load_engine=load_engine,
+                         on_load_failure=on_load_failure)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -107,18 +111,23 @@ def test_loading_answers_503_then_ready():
         assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"] == "ab"
 
 
-def test_failed_load_answers_503_with_the_reason():
+def test_failed_load_is_reported_once_with_the_reason():
+    reported: list[str] = []
+    failed = threading.Event()
+
     def broken_load():
+        failed.wait(30)  # until /health has been asked while loading
         raise OSError("no such checkpoint")
 
-    with InProcessServer(broken_load) as srv:
-        health = wait_for_health(srv.url, 503)
+    with InProcessServer(broken_load, on_load_failure=reported.append) as srv:
+        assert httpx.get(f"{srv.url}/health").json()["status"] == "loading"
+        failed.set()
         for _ in range(100):
-            if health.json()["status"] == "error":
+            if reported:
                 break
             time.sleep(0.02)
-            health = httpx.get(f"{srv.url}/health")
-        assert health.json() == {"status": "error", "error": "OSError: no such checkpoint"}
+        assert reported == ["OSError: no such checkpoint"]  # the CLI exits on it (tests/test_cli.py)
+        assert httpx.get(f"{srv.url}/health").json() == {"status": "error", "error": "OSError: no such checkpoint"}
         response = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and "no such checkpoint" in response.json()["error"]["message"]
 
@@ -143,6 +152,24 @@ def test_error_after_the_stream_started_is_an_error_event_then_done():
         metrics = httpx.get(f"{srv.url}/metrics").text
         assert 'moe_requests_total{status="error"} 3.0' in metrics
         assert "moe_expert_cache_hits_total 3.0" in metrics and "moe_eamc_entries 2.0" in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_crash_is_logged_once_with_its_traceback(caplog, stream):
+    uvicorn_log = logging.getLogger("uvicorn")  # it does not propagate to the root logger caplog listens on
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with InProcessServer(lambda: ScriptedEngine(fail=True)) as srv:
+            wait_for_health(srv.url, 200)
+            caplog.clear()
+            response = httpx.post(f"{srv.url}/v1/chat/completions", json={**CHAT, "stream": stream})
+            assert response.status_code == (200 if stream else 500)
+            time.sleep(0.3)  # a second report would come right after the response
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    assert "fell off the bus" in str(tracebacks[0].exc_info[1])
 
 
 def test_graceful_shutdown_closes_the_engine():

@@ -1,0 +1,94 @@
+"""SIGTERM on a real process: the server stops accepting, running requests get --drain-timeout to
+finish, then the rest are aborted; every stream ends with [DONE]."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server.testing import RemoteServer, sse_json
+
+CHAT = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.fixtures.models import build_checkpoint
+
+    return build_checkpoint("mixtral", tmp_path_factory.mktemp("tiny-mixtral"))
+
+
+def start(checkpoint, drain: float) -> RemoteServer:
+    return RemoteServer(["--model", str(checkpoint), "--device", "cpu", "--policy", "lru",
+                         "--drain-timeout", str(drain)], env={"OMP_NUM_THREADS": "1"}).start()
+
+
+def body(max_tokens: int, stream: bool) -> dict:
+    return {"messages": CHAT, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+
+
+def refuses_connections(url: str, timeout: float = 5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+        except httpx.TransportError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stream_after_sigterm(server: RemoteServer, request: dict) -> list:
+    """The stream's events; SIGTERM goes out once the first token has arrived."""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=request, timeout=60) as response:
+        events = sse_json(response.iter_lines())
+        received = [next(events), next(events)]  # the role chunk, then a token: it is running
+        server.process.send_signal(signal.SIGTERM)
+        assert refuses_connections(server.url)  # no new requests while draining
+        return received + list(events)
+
+
+def test_running_requests_finish_within_the_drain(checkpoint):
+    server = start(checkpoint, drain=30)
+    try:
+        events = stream_after_sigterm(server, body(300, stream=True))
+        assert events[-1] == "[DONE]"
+        finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+        assert finish == ["length"] and not any("error" in e for e in events[:-1])
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+        assert "engine shut down" in server.log()
+    finally:
+        server.stop()
+
+
+def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_done(checkpoint):
+    server = start(checkpoint, drain=0)
+    try:
+        queued: dict[str, httpx.Response] = {}
+
+        def wait_in_queue() -> None:  # behind the stream: the engine runs one request at a time
+            time.sleep(0.5)
+            queued["response"] = httpx.post(f"{server.url}/v1/chat/completions", json=body(490, stream=False),
+                                            timeout=60)
+
+        thread = threading.Thread(target=wait_in_queue)
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body(490, stream=True),
+                          timeout=60) as response:
+            events = sse_json(response.iter_lines())
+            received = [next(events), next(events)]
+            thread.start()
+            time.sleep(1.0)  # the second request is in
+            server.process.send_signal(signal.SIGTERM)
+            received += list(events)
+        thread.join(30)
+        assert received[-1] == "[DONE]"
+        assert received[-2]["error"]["code"] == "server_shutdown"
+        assert queued["response"].status_code == 503
+        assert queued["response"].json()["error"]["code"] == "server_shutdown"
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        server.stop()
