@@ -86,6 +86,9 @@ def test_the_engine_and_the_replay_count_the_same_hits_misses_and_prefetches(pol
         )
     )
     runtime = engine.runtime
+    # the engine warmed up at load; the replay starts cold: a fresh cache and policy on the same slots
+    runtime.cache = ExpertCache(capacity, make_policy(policy, runtime.num_layers, runtime.num_experts),
+                                CacheStats(runtime.num_layers), runtime.cache.backend)
     runtime.prefetcher.close()  # the replay has no look-ahead and no thread: the same for the engine here
     runtime.prefetcher = Prefetcher(runtime.cache, [None] * runtime.num_layers, background=False, limit=2 * runtime.top_k)
     for i, text in enumerate(["Hello there, how are", "The capital of France is", "def fib(n):", "Hello there"]):
