@@ -53,6 +53,7 @@ class RecordedEngine:
 
     model_name, max_model_len, vocab_size = "recorded", 4096, 200_000
     chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN_TOOLS_TEMPLATE, model_type="qwen3_moe")
+    sampling_defaults: dict = {}
 
     def __init__(self) -> None:
         self.output = ""
