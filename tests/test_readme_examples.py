@@ -26,9 +26,9 @@ FRUITS = ("apple", "banana", "orange", "grape", "mango", "pear", "strawberr", "c
 
 
 def readme_block(language: str, must_contain: str) -> str:
+    """The first fenced `language` block of the README holding `must_contain` (the quick start's)."""
     blocks = re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if must_contain in b]
-    return block
+    return next(b for b in blocks if must_contain in b)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_the_curl_example_answers_the_question(server):
     assert sum("Paris" in a for a in answers) >= 2, answers
 
 
-def test_the_openai_sdk_example_streams_three_fruits(server):
+def test_the_openai_sdk_example_streams_a_list_of_three_fruits(server):
     script = on_port(readme_block("python", "from openai import OpenAI"), server.port)
     answers = []
     for _ in range(RUNS):
