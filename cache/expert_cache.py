@@ -9,6 +9,7 @@ uses `SlotBackend` (real tensors, async copies on CUDA); the trace replay uses
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
@@ -171,6 +172,7 @@ class ExpertCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._protected: set[ExpertKey] = set()
         self._prefetched_unused: set[ExpertKey] = set()
+        self._prefetch_victims: OrderedDict[ExpertKey, None] = OrderedDict()  # the last `capacity` of them
         self._lock = threading.RLock()
 
     def preload(self, keys: Sequence[ExpertKey]) -> int:
@@ -205,6 +207,8 @@ class ExpertCache:
                 slot = self._slot_of.get(key)
                 if slot is None:
                     self.stats.add("misses", layer)
+                    if self._prefetch_victims.pop(key, False) is None:  # a prefetch evicted it lately
+                        self.stats.add("prefetch_regrets", layer)
                     slot = self._load(key)
                 else:
                     self.stats.add("hits", layer)
@@ -254,7 +258,7 @@ class ExpertCache:
             with self._lock:
                 if not self._admits(key):  # the engine moved on while we read
                     return False
-                slot = self._take_slot()
+                slot = self._take_slot(for_prefetch=True)
                 self.backend.fill(slot, src, prefetch=True)
                 self._register(key, slot)
                 self._prefetched_unused.add(key)
@@ -290,7 +294,7 @@ class ExpertCache:
         self._register(key, slot)
         return slot
 
-    def _take_slot(self) -> int:
+    def _take_slot(self, for_prefetch: bool = False) -> int:
         """A free slot, else the policy's victim's."""
         if self._free:
             return self._free.pop()
@@ -301,6 +305,11 @@ class ExpertCache:
         self._prefetched_unused.discard(victim)
         self.policy.on_evict(victim)
         self.stats.add("evictions", victim[0])
+        if for_prefetch:  # if it is missed while among the last `capacity` such victims: a regret
+            self._prefetch_victims[victim] = None
+            self.stats.add("prefetch_evictions", victim[0])
+            while len(self._prefetch_victims) > self.capacity:
+                self._prefetch_victims.popitem(last=False)
         return slot
 
     def _register(self, key: ExpertKey, slot: int) -> None:

@@ -55,11 +55,14 @@ class PrefetchCost:
         """The measured compute of one decode layer (a running average)."""
         self.overlap_ms = ms if self.overlap_ms <= 0 else 0.9 * self.overlap_ms + 0.1 * ms
 
-    def worth(self, chance: float, spent_ms: float) -> bool:
-        """Whether one more copy, queued behind `spent_ms` of this layer's prefetches, pays off."""
+    def worth(self, chance: float, spent_ms: float, regret: float = 0.0) -> bool:
+        """Whether one more copy, queued behind `spent_ms` of this layer's prefetches, pays off.
+
+        `regret`: the chance that the expert it evicts is missed soon after (a copy more).
+        """
         free = max(0.0, self.overlap_ms - spent_ms)
-        beyond = spent_ms + self.copy_ms - self.overlap_ms
-        return beyond <= 0 or chance * min(self.copy_ms, free) > (1.0 - chance) * beyond
+        beyond = max(0.0, spent_ms + self.copy_ms - self.overlap_ms)
+        return chance * min(self.copy_ms, free) > (1.0 - chance) * beyond + regret * self.copy_ms
 
 
 class SourceAccuracy:
@@ -127,6 +130,11 @@ class Prefetcher:
         ranked = sorted(guesses.items(), key=lambda item: -item[1])  # most likely first (stable)
         self._submit(ranked[: self.limit])
 
+    def _regret(self) -> float:
+        """How often an expert a prefetch evicted was missed soon after (a prior of 1 in 4 at first)."""
+        totals = self.cache.stats.totals()
+        return (totals["prefetch_regrets"] + 1) / (totals["prefetch_evictions"] + 4)
+
     def _time_layer(self, phase: str) -> None:
         """Time from one decode layer's prefetch point to the next one's, less the link time of
         the demand copies in between (compute waits for them): one layer's compute."""
@@ -185,7 +193,7 @@ class Prefetcher:
     def _prefetch(self, key: ExpertKey, chance: float, spent_ms: float) -> float:
         """One prefetch, if it pays (see `PrefetchCost`); the link time spent on this layer's
         prefetches after it. A failure is counted and logged, never fatal: it was only a guess."""
-        if self.cost is not None and not self.cost.worth(chance, spent_ms):
+        if self.cost is not None and not self.cost.worth(chance, spent_ms, self._regret()):
             self.held_back += 1
             return spent_ms
         try:

@@ -15,9 +15,12 @@ class CacheStats:
     prefetch_used: list[int] = field(init=False)
     bytes_transferred: list[int] = field(init=False)
     evictions: list[int] = field(init=False)
+    prefetch_evictions: list[int] = field(init=False)  # experts a prefetch evicted
+    prefetch_regrets: list[int] = field(init=False)  # ... that were then missed soon after
     lock: threading.Lock = field(init=False, repr=False, compare=False)
 
-    COUNTERS = ("hits", "misses", "prefetches", "prefetch_used", "bytes_transferred", "evictions")
+    COUNTERS = ("hits", "misses", "prefetches", "prefetch_used", "bytes_transferred", "evictions",
+                "prefetch_evictions", "prefetch_regrets")
 
     def __post_init__(self) -> None:
         for name in self.COUNTERS:

@@ -190,3 +190,16 @@ def test_truncated_and_garbage_safetensors_are_refused(tmp_path):
     (tmp_path / "m.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match="not a valid safetensors"):
         index_checkpoint(tmp_path)
+
+
+def test_an_expert_a_prefetch_evicted_and_then_missed_counts_as_a_regret():
+    cache = dry_cache(2)
+    use(cache, 0, [1])
+    use(cache, 0, [2])
+    cache.policy.on_lookahead(1, [4])
+    assert cache.prefetch((1, 4))  # evicts (0, 1), the least recently used
+    use(cache, 0, [2])
+    use(cache, 0, [1])  # missed: the prefetch's victim
+    use(cache, 0, [3])
+    totals = cache.stats.totals()
+    assert (totals["prefetch_evictions"], totals["prefetch_regrets"]) == (1, 1)

@@ -110,8 +110,9 @@ def test_a_prefetch_inside_the_compute_window_is_free_and_one_reaching_past_it_m
     assert cost.worth(0.8, spent_ms=0.0)
     assert not cost.worth(0.99, spent_ms=6.4)  # past the window a right guess saves nothing
     small = PrefetchCost(copy_ms=0.5, overlap_ms=1.6)  # DeepSeek-V2-Lite-size experts
-    assert small.worth(0.0, spent_ms=1.0)  # still inside the window: free even if wrong
+    assert small.worth(0.1, spent_ms=1.0)  # still inside the window: costs no link time even if wrong
     assert not small.worth(0.3, spent_ms=1.4)
+    assert not small.worth(0.5, spent_ms=0.0, regret=0.6)  # but what it evicts may cost a copy later
 
 
 def test_the_gate_holds_back_poor_guesses_and_lets_good_ones_through():
@@ -132,4 +133,4 @@ def test_the_engine_learns_the_compute_window_from_decode_layers_net_of_demand_c
     for ms in (5.0, 5.0, 5.0):
         cost.observe_layer(ms)
     assert cost.overlap_ms == pytest.approx(5.0)
-    assert cost.worth(0.0, spent_ms=0.0)
+    assert cost.worth(0.1, spent_ms=0.0)
