@@ -2,9 +2,9 @@
 
     python -m bench.timed_calibration [--tokens 96] [--lookahead-accuracy 0.67] [--json]
 
-Each row is simulated twice: with the prefetch order of the engine that was measured
-(prefetch before the step's experts were protected; that is what calibrates the model)
-and with today's order (the prediction for the engine as it is now).
+Each row is simulated twice: as the engine that was measured (prefetch before the step's
+experts were protected, every guess issued; that is what calibrates the model) and as
+the engine is now (today's order and the prefetch cost gate): the prediction for it.
 
 Random routing, as the random-weight checkpoints of that run route (near-uniformly), with
 the same shapes, expert sizes and cache sizes; the link at the measured 55.3 GB/s and the
@@ -94,7 +94,7 @@ class MeasuredOrderRuntime(ExpertRuntime):
 
 
 def simulate(row: Row, tokens: int, lookahead_accuracy: float, measured_order: bool) -> dict:
-    """`measured_order`: the prefetch order of the engine the H200 ran; else today's."""
+    """`measured_order`: the engine the H200 ran (its prefetch order, no cost gate); else today's."""
     shape = row.shape
     link = LinkSpec(expert_bytes=shape.expert_bytes, link_gbps=H200_LINK_GBPS,
                     compute_ms=shape.resident_tpot_ms / shape.num_layers)
@@ -103,7 +103,7 @@ def simulate(row: Row, tokens: int, lookahead_accuracy: float, measured_order: b
     cache.replay.ExpertRuntime = MeasuredOrderRuntime if measured_order else ExpertRuntime
     try:
         result = replay(header, requests, row.policy, row.capacity, row.prefetch, link,
-                        lookahead_accuracy if row.prefetch else None)
+                        lookahead_accuracy if row.prefetch else None, gate=not measured_order)
     finally:
         cache.replay.ExpertRuntime = runtime_class
     return {"tpot_ms": result["tpot_ms"], "gb_per_token": result["link_gb_per_decode_token"],
