@@ -98,14 +98,15 @@ class SlotBackend:
     def measure_copy_ms(self, key: ExpertKey, repeats: int = 3) -> float:
         """The time of one expert's host→device copy on this link (median of `repeats`), in ms.
 
-        Uses slot 0 before the cache holds anything (at start-up).
+        Copies into a scratch buffer of one expert, never into a slot (which may hold an expert).
         """
+        scratch = torch.empty_like(self.slots[0])
         with self.host.hold(key) as src:
             times = []
             for _ in range(repeats):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                self.slots[0].copy_(src, non_blocking=True)
+                scratch.copy_(src, non_blocking=True)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
