@@ -1,0 +1,365 @@
+"""Open WebUI in a real headless browser, chatting with moe-serve's built-in demo model (issue 16).
+
+Not a pytest test and not imported by the suite: it needs Open WebUI, Chromium and Playwright,
+which the project's CI does not have. Run it by hand:
+
+    /tmp/owui-venv/bin/python bench/open_webui_browser.py --moe-python /work/main/.venv/bin/python \
+        --open-webui /tmp/owui-venv/bin/open-webui --chromium /usr/bin/chromium \
+        --screenshot bench/out/open_webui_chat.png
+
+(the interpreter that runs it needs Playwright; --moe-python is the one with moe-serve installed;
+bench/RESULTS.md, "Open WebUI in a real browser", has the install commands and a recorded run.)
+
+It starts moe-serve (`python -m server`, the demo model) and Open WebUI on free ports, with a
+small recording proxy in between so that every request Open WebUI sends to moe-serve is logged
+(path, whether the body carried `tools`, the status and moe-serve's warning header). It then opens
+Open WebUI in headless Chromium (Playwright), asks "What is the capital of France?", waits for the
+answer to finish streaming, reads it off the page, takes a screenshot, stops everything, and prints
+one JSON object. Playwright is imported from the interpreter that runs this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "moe-serve/smollm2-moe-demo"
+QUESTION = "What is the capital of France?"
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "date", "server"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Wait until `url` answers 200 (or raise if `proc` exits or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def start(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen:
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# --- the recording proxy between Open WebUI and moe-serve -------------------------------------
+
+def summarize_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    tools = data.get("tools") or []
+    return {"model": data.get("model"), "stream": data.get("stream"), "has_tools": "tools" in data,
+            "tool_names": [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)],
+            "n_messages": len(data.get("messages") or []), "keys": sorted(data)}
+
+
+def reply_text(body: bytes, stream: bool) -> str | None:
+    """The assistant text of a chat completion: a JSON body, or SSE `data:` chunks when streamed."""
+    try:
+        if not stream:
+            return json.loads(body)["choices"][0]["message"]["content"][:300]
+        parts = []
+        for line in body.decode().splitlines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                choices = json.loads(line[5:]).get("choices") or [{}]
+                parts.append(choices[0].get("delta", {}).get("content") or "")
+        return "".join(parts)[:300]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int]
+               ) -> type[BaseHTTPRequestHandler]:
+    """A handler that forwards to moe-serve, streaming the answer back, and records each request
+    in `records` (status None while it runs); in_flight[0] counts the unfinished ones."""
+    lock = threading.Lock()
+
+    class Proxy(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"  # the body ends when the connection closes: fine for SSE
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.forward()
+
+        def do_POST(self) -> None:
+            self.forward()
+
+        def forward(self) -> None:
+            with lock:
+                in_flight[0] += 1
+            try:
+                self.relay()
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+
+        def relay(self) -> None:
+            t0 = time.monotonic()
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            record: dict[str, Any] = {"method": self.command, "path": self.path, "status": None,
+                                      **summarize_body(body)}
+            records.append(record)  # at once, so that one still running at the end shows
+            try:
+                out = self.pass_on(body, record)
+            except OSError as e:
+                record["failure"] = f"{type(e).__name__}: {e}"
+                return
+            finally:
+                record["seconds"] = round(time.monotonic() - t0, 1)
+            if record["status"] >= 400 or b'"error"' in out:
+                record["error_body"] = out[:2000].decode("utf-8", "replace")
+            elif self.command == "POST":
+                record["reply"] = reply_text(out, bool(record.get("stream")))
+
+        def pass_on(self, body: bytes, record: dict[str, Any]) -> bytes:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=900)
+            try:
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                record["status"] = resp.status
+                record["warning"] = resp.getheader("X-Moe-Serve-Warning")
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in HOP_HEADERS:
+                        self.send_header(k, v)
+                self.end_headers()
+                out = bytearray()
+                while chunk := resp.read1(65536):
+                    out += chunk
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                return bytes(out)
+            finally:
+                conn.close()
+
+    return Proxy
+
+
+def start_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int]
+                ) -> ThreadingHTTPServer:
+    handler = make_proxy(upstream_port, records, in_flight)
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+# --- the two servers ---------------------------------------------------------------------------
+
+def start_moe_serve(python: str, port: int, log_path: Path) -> subprocess.Popen:
+    proc = start([python, "-m", "server", "--port", str(port)], dict(os.environ), log_path, REPO)
+    wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
+    return proc
+
+
+def open_webui_env(api_port: int, data_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "OPENAI_API_BASE_URL": f"http://127.0.0.1:{api_port}/v1", "OPENAI_API_KEY": "unused",
+        "ENABLE_OLLAMA_API": "false", "WEBUI_AUTH": "False", "DATA_DIR": str(data_dir),
+        # no internet beyond package registries: nothing may be fetched from Hugging Face
+        "OFFLINE_MODE": "true", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "RAG_EMBEDDING_ENGINE": "openai", "RAG_EMBEDDING_MODEL_AUTO_UPDATE": "false",
+        "RAG_RERANKING_MODEL_AUTO_UPDATE": "false", "WHISPER_MODEL_AUTO_UPDATE": "false",
+        "ENABLE_EVALUATION_ARENA_MODELS": "false", "ENABLE_VERSION_UPDATE_CHECK": "false",
+        "SCARF_NO_ANALYTICS": "true", "DO_NOT_TRACK": "true", "ANONYMIZED_TELEMETRY": "false",
+    })
+    return env
+
+
+def start_open_webui(exe: str, port: int, api_port: int, data_dir: Path, log_path: Path
+                     ) -> subprocess.Popen:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = start([exe, "serve", "--host", "127.0.0.1", "--port", str(port)],
+                 open_webui_env(api_port, data_dir), log_path, data_dir)
+    wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
+    return proc
+
+
+# --- the browser -------------------------------------------------------------------------------
+
+SELECTED_MODEL = "button[aria-label^='Selected model']"
+
+
+def dismiss_popups(page: Any) -> None:
+    """Open WebUI's first-visit "What's new" dialog, if any."""
+    button = page.get_by_role("button", name="Okay, Let's Go!")
+    if button.count() and button.first.is_visible():
+        button.first.click()
+        page.wait_for_timeout(500)
+
+
+def ensure_model(page: Any) -> str:
+    """Pick MODEL in the model selector unless it is already the selected one; return the label."""
+    selector = page.locator(SELECTED_MODEL).first
+    selector.wait_for(timeout=30_000)
+    if MODEL not in (selector.get_attribute("aria-label") or ""):
+        selector.click()
+        page.get_by_text(MODEL, exact=True).last.click()
+        page.wait_for_timeout(500)
+    return page.locator(SELECTED_MODEL).first.get_attribute("aria-label") or ""
+
+
+def send_question(page: Any) -> None:
+    page.locator("#chat-input").click()
+    page.keyboard.type(QUESTION)
+    page.locator("#send-message-button").click()
+
+
+def last_answer(page: Any) -> str:
+    answers = page.locator("#response-content-container")
+    return answers.last.inner_text().strip() if answers.count() else ""
+
+
+def wait_answer(page: Any, timeout_s: float) -> str:
+    """Wait until the answer has finished (its Regenerate button shows) or an error shows."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if page.locator("button[aria-label='Regenerate']").count() and last_answer(page):
+            break
+        if error_texts(page):
+            break
+        page.wait_for_timeout(500)
+    return last_answer(page)
+
+
+def error_texts(page: Any) -> list[str]:
+    """Error toasts and in-chat error boxes Open WebUI shows."""
+    texts = []
+    for sel in ("[data-sonner-toast][data-type='error']", "[role='alert']", ".text-red-500",
+                "div[class*='border-red']", "div[class*='bg-red']"):
+        for el in page.locator(sel).all():
+            text = el.inner_text().strip()
+            if text and el.is_visible():
+                texts.append(text)
+    return texts
+
+
+def wait_quiet(in_flight: list[int], max_s: float) -> None:
+    """Let the requests Open WebUI sends after an answer (title, tags, follow-ups) finish."""
+    deadline = time.monotonic() + max_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        if in_flight[0]:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since > 10:
+            return
+        time.sleep(1)
+
+
+def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=args.chromium, headless=True)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url, wait_until="load", timeout=120_000)  # socket.io: never "networkidle"
+        page.locator("#chat-input").wait_for(timeout=60_000)
+        dismiss_popups(page)
+        selected = ensure_model(page)
+        t0 = time.monotonic()
+        send_question(page)
+        answer = wait_answer(page, args.answer_timeout)
+        seconds = time.monotonic() - t0
+        wait_quiet(in_flight, args.settle)
+        page.wait_for_timeout(2000)
+        errors = error_texts(page)
+        args.screenshot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(args.screenshot))
+        title = page.title()
+        browser.close()
+    return {"answer": answer, "contains_paris": "Paris" in answer, "seconds_to_answer":
+            round(seconds, 1), "errors_seen": errors, "model_selected": selected, "page_title": title}
+
+
+# --- main --------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--open-webui", default="/tmp/owui-venv/bin/open-webui", help="its executable")
+    p.add_argument("--chromium", default="/usr/bin/chromium")
+    p.add_argument("--moe-python", default=sys.executable, help="python with moe-serve installed")
+    p.add_argument("--moe-port", type=int, default=0, help="0: a free port")
+    p.add_argument("--webui-port", type=int, default=0, help="0: a free port")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="Open WebUI's DATA_DIR; default: a fresh temporary folder (a first visit)")
+    p.add_argument("--logs", type=Path, default=REPO / "bench" / "out")
+    p.add_argument("--screenshot", type=Path, default=REPO / "bench" / "out" / "open_webui_chat.png")
+    p.add_argument("--answer-timeout", type=float, default=300)
+    p.add_argument("--settle", type=float, default=300,
+                   help="at most this long after the answer for Open WebUI's background requests")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    args.data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="owui-data-"))
+    args.logs.mkdir(parents=True, exist_ok=True)
+    moe_port, webui_port = args.moe_port or free_port(), args.webui_port or free_port()
+    records: list[dict[str, Any]] = []
+    in_flight = [0]
+    procs: list[subprocess.Popen] = []
+    result: dict[str, Any] = {}
+    try:
+        procs.append(start_moe_serve(args.moe_python, moe_port, args.logs / "moe_serve.log"))
+        proxy = start_proxy(moe_port, records, in_flight)
+        procs.append(start_open_webui(args.open_webui, webui_port, proxy.server_port,
+                                      args.data_dir, args.logs / "open_webui.log"))
+        result = run_browser(args, f"http://127.0.0.1:{webui_port}", in_flight)
+    except Exception as e:  # report what broke, with what was recorded up to then
+        result["failure"] = f"{type(e).__name__}: {e}"
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+    result["moe_serve_status_codes"] = [r["status"] for r in records]
+    result["moe_serve_requests"] = records
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
