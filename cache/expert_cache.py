@@ -176,20 +176,17 @@ class ExpertCache:
         self._prefetch_victims: OrderedDict[ExpertKey, None] = OrderedDict()  # the last `capacity` of them
         self._lock = threading.RLock()
 
-    def preload(self, keys: Sequence[ExpertKey]) -> int:
-        """Load `keys` in order into the free slots at start-up (not counted as traffic); how many fit."""
+    def preload(self, keys: Sequence[ExpertKey]) -> None:
+        """Load `keys` in order into the free slots at start-up (not counted as traffic)."""
         with self._lock:
-            loaded = 0
             for key in keys:
                 if not self._free:
-                    break
+                    return
                 if key not in self._slot_of:
                     slot = self._free.pop()
                     self.backend.load(key, slot)
                     self._slot_of[key] = slot
                     self.policy.on_insert(key)
-                    loaded += 1
-            return loaded
 
     # -- demand path -------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int]) -> list:

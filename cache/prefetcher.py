@@ -11,10 +11,11 @@ already asynchronous (side stream); on CPU a background thread does the copying.
 predictions replace older ones that have not started yet.
 
 With a `PrefetchCost` a guess is issued only when it is likely enough to pay for its
-bytes: the copies that fit in the compute window of the layer are free; one reaching
-past it must be likely enough to save more than it delays (`PrefetchCost.worth`). The
-chance of a guess is its source's (look-ahead, policy) recent accuracy at that layer,
-scored online on every guess, issued or not. Without a cost every guess is issued.
+bytes (`PrefetchCost.worth`): what it can hide inside the layer's compute window must
+outweigh the delay its copy past that window may add and the chance that the expert it
+evicts is missed soon after. The chance of a guess is its source's (look-ahead, policy)
+recent accuracy at that layer, scored online on every guess, issued or not. Without a
+cost every guess is issued.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class Prefetcher:
         self.cost = cost  # None: issue every guess
         self.lookahead_predicted = 0
         self.lookahead_correct = 0
-        self.held_back = 0  # guesses not issued: their source's accuracy was below break-even
+        self.held_back = 0  # guesses not issued: not worth their cost
         self.failures = 0  # prefetches that raised (e.g. a failed disk read); the engine carries on
         self.accuracy = {"lookahead": SourceAccuracy(len(routers)), "policy": SourceAccuracy(len(routers))}
         self._guesses: dict[str, tuple[int, set[int]]] = {}  # source → (layer, experts) guessed for that layer

@@ -74,16 +74,7 @@ def load_offloaded_model(
     top_k = first.gate.top_k
 
     host = _build_host_store(folder, expert_tensors, moe_layers, num_experts, shape, dtype, device, sizing)
-    total = len(moe_layers) * num_experts
-    if device.type == "cpu":  # the cache's slots are the RAM tier: experts are computed in place
-        capacity = _cpu_capacity(sizing, host.bytes_per_expert, total)
-        backend = InPlaceBackend(host, capacity)
-    else:
-        capacity = _device_capacity(sizing, host, device, total)
-        backend = SlotBackend(host, capacity, device)
-    cache = ExpertCache(capacity, make_policy(policy, len(moe_layers), num_experts), CacheStats(len(moe_layers)), backend)
-    if device.type == "cpu" and capacity == total:  # all in RAM: read once now, never again
-        cache.preload(list(host.sources))
+    cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
     for moe_index, layer_index in enumerate(moe_layers):
         mlp = layers[layer_index].mlp
@@ -92,15 +83,28 @@ def load_offloaded_model(
     _load_dense(model, dense, device, dtype)
     model.to(device)  # the buffers (rotary tables) built on the host at init
     tiers = (
-        f"{capacity} experts in RAM, computed in place, the rest read from disk"
+        f"{cache.capacity} experts in RAM, computed in place, the rest read from disk"
         if device.type == "cpu"
-        else f"device cache {capacity} experts, RAM tier {host.capacity}"
+        else f"device cache {cache.capacity} experts, RAM tier {host.capacity}"
     )
     log.info(
         "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; %s",
         config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20, tiers,
     )
     return OffloadedModel(model, config, runtime, host, folder, moe_layers, shape, num_experts, top_k)
+
+
+def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:
+    """On CPU the cache's slots are the RAM tier (experts computed in place); else device slots."""
+    total, stats = len(host.sources), CacheStats(num_layers)
+    if device.type != "cpu":
+        capacity = _device_capacity(sizing, host, device, total)
+        return ExpertCache(capacity, policy, stats, SlotBackend(host, capacity, device))
+    capacity = _cpu_capacity(sizing, host.bytes_per_expert, total)
+    cache = ExpertCache(capacity, policy, stats, InPlaceBackend(host, capacity))
+    if capacity == total:  # all in RAM: read once now, never again
+        cache.preload(list(host.sources))
+    return cache
 
 
 def _build_host_store(
@@ -120,8 +124,7 @@ def _build_host_store(
         sources.update(expert_segments(expert_tensors[layer_index], moe_index, num_experts))
     if device.type == "cpu":
         return HostStore(sources, shape, dtype, capacity=0)  # the expert cache holds the RAM tier
-    bytes_per_expert = shape.numel * dtype.itemsize
-    host_capacity = None if sizing.host_gb is None else max(1, int(sizing.host_gb * GIB // bytes_per_expert))
+    host_capacity = None if sizing.host_gb is None else max(1, _experts_in(sizing.host_gb, shape.numel * dtype.itemsize))
     host = HostStore(sources, shape, dtype, host_capacity, pin_memory=True)
     host.preload()
     return host
