@@ -12,6 +12,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
 
 
+CPU_EXPERTS = ("auto", "off")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # local HF folder or hub id; None: the built-in demo model
@@ -23,6 +26,7 @@ class EngineConfig:
     host_cache_gb: float | None = None  # RAM tier budget; None: all experts in RAM
     policy: str = "sparsity-aware"
     prefetch: bool = True
+    cpu_experts: str = "auto"  # auto | off: on CUDA, compute some misses on the host cores (when measured faster)
     eamc_path: str | None = None  # None: one file per model under the state folder
     eamc_capacity: int = 256  # cache/eamc.py DEFAULT_CAPACITY: no gain beyond ~100 entries in replay
     record_trace: str | None = None
@@ -33,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+        if self.cpu_experts not in CPU_EXPERTS:
+            raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, not {self.cpu_experts!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.expert_cache_experts is not None and self.expert_cache_gb is not None:

@@ -46,6 +46,7 @@ class OffloadedModel:
     host: HostStore
     folder: Path
     moe_layers: list[MoELayer]
+    offloaded: list[OffloadedExperts]  # the forward installed on each MoE layer's experts module
     layout: ExpertLayout
     num_experts: int
     top_k: int
@@ -76,8 +77,9 @@ def load_offloaded_model(
     host = _build_host_store(folder, expert_sources, moe_layers, layout, dtype, device, sizing)
     cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
-    for moe_index, layer in enumerate(moe_layers):
-        OffloadedExperts(moe_index, layer, runtime, cache.backend.slots).install()
+    offloaded = [OffloadedExperts(i, layer, runtime, cache.backend.slots) for i, layer in enumerate(moe_layers)]
+    for experts in offloaded:
+        experts.install()
 
     _load_dense(model, dense, device, dtype)
     model.to(device)  # the buffers (rotary tables) built on the host at init
@@ -90,7 +92,7 @@ def load_offloaded_model(
         "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; %s",
         config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20, tiers,
     )
-    return OffloadedModel(model, config, runtime, host, folder, moe_layers, layout, num_experts, top_k)
+    return OffloadedModel(model, config, runtime, host, folder, moe_layers, offloaded, layout, num_experts, top_k)
 
 
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:

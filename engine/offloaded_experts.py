@@ -13,6 +13,7 @@ another on views of their slots (stacking would copy their weights).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -32,8 +33,11 @@ class OffloadedExperts:
         self.module = layer.experts
         self.runtime = runtime
         self.slot_params = layer.layout.views(pool)  # name → [S, *per-expert shape], views of the slots
+        self.layout = layer.layout
         self.up = "gate_up_proj" if self.module.has_gate else "up_proj"
         self.stack = layer.layout.numel * pool.element_size() <= STACK_MAX_BYTES.get(pool.device.type, 0)
+        # the host executor (`--cpu-experts`): the module's own parameters (a post-expert norm) live on the device
+        self.host_capable = pool.device.type != "cpu" and not self.module.has_post_expert_norm
 
     def install(self) -> None:
         """Drop the module's (empty) per-expert parameters and route its calls here."""
@@ -51,8 +55,36 @@ class OffloadedExperts:
             else:
                 self._prefill(hidden, top_k_index, top_k_weights, turn, slots, out)
 
-        self.runtime.run_step(self.moe_layer, needed, hidden, compute)
+        on_host = self._on_host(hidden, rows[0], top_k_weights, out) if len(rows) == 1 and self.host_capable else None
+        self.runtime.run_step(self.moe_layer, needed, hidden, compute, on_host)
         return out
+
+    def _on_host(self, hidden: torch.Tensor, row: list[int], weights: torch.Tensor, out: torch.Tensor):
+        """`compute_on_host(expert, host buffer)` for one decode token: the expert runs on the host
+        cores where its weights lie; only the token's hidden state and the output cross the link."""
+        x = []
+
+        def compute_on_host(expert: int, buffer: torch.Tensor) -> None:
+            if not x:
+                x.append(hidden.to("cpu").unsqueeze(0))  # [1, 1, H]; routing already synced the stream
+            params = {name: p.unsqueeze(0) for name, p in self.layout.views(buffer).items()}  # [1, ...]
+            y = self._experts(x[0], params)[0]  # [1, H] on the host
+            k = row.index(expert)
+            out.add_((y.to(out.device, non_blocking=True) * weights[:, k, None]).to(out.dtype))
+
+        return compute_on_host
+
+    def measure_host_ms(self, buffer: torch.Tensor, repeats: int = 5) -> float:
+        """The time of one expert on one token on the host cores (median of `repeats`), in ms."""
+        params = {name: p.unsqueeze(0) for name, p in self.layout.views(buffer).items()}  # [1, ...]
+        down = params["down_proj"]  # [1, H, I], or [1, I, H] when transposed
+        x = torch.randn(1, 1, down.shape[2] if self.module.is_transposed else down.shape[1], dtype=buffer.dtype)
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            start = time.perf_counter()
+            self._experts(x, params)
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times[1:])[repeats // 2]
 
     def _decode(
         self, hidden: torch.Tensor, row: list[int], weights: torch.Tensor, slot_of: dict[int, int], out: torch.Tensor
