@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
+MAX_NAME_CHARS = 256
 
 
 CPU_EXPERTS = ("auto", "off")
@@ -41,6 +42,9 @@ class EngineConfig:
             raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, not {self.cpu_experts!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.served_model_name is not None and not _is_printable_name(self.served_model_name):
+            raise ValueError(f"served-model-name must be 1 to {MAX_NAME_CHARS} printable characters, "
+                             f"not {self.served_model_name!r}")
         if self.expert_cache_experts is not None and self.expert_cache_gb is not None:
             raise ValueError("give --expert-cache-experts or --expert-cache-gb, not both")
         positive = {
@@ -53,3 +57,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, not {value}")
+
+
+def _is_printable_name(name: str) -> bool:
+    """What clients send back and logs quote: no control characters, no lone surrogates."""
+    return 0 < len(name) <= MAX_NAME_CHARS and name.isprintable() and name.strip() == name

@@ -43,10 +43,12 @@ from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
+from engine.time_limit import TimeLimitExceeded, call_with_time_limit
 
 log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
+CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
 WARM_UP_TOKENS = 4
 
 
@@ -185,13 +187,22 @@ class Engine:
             raise InvalidRequestError("this model's chat template cannot take tools", param="tools")
         normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._encoder_lock:
-            try:
-                text = self._encoder.apply_chat_template(
-                    normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as e:  # the template's own checks, e.g. roles that must alternate
-                raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
+            text = self._render_chat_template(normalised, tools)
             return self._encoder(text, add_special_tokens=False)["input_ids"]
+
+    def _render_chat_template(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The model's template, in transformers' Jinja sandbox and within CHAT_TEMPLATE_TIME_LIMIT_S."""
+        def render() -> str:
+            return self._encoder.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                     tokenize=False)
+        try:
+            return call_with_time_limit(render, CHAT_TEMPLATE_TIME_LIMIT_S)
+        except TimeLimitExceeded:
+            log.warning("the chat template did not finish within %.0f s", CHAT_TEMPLATE_TIME_LIMIT_S)
+            raise InvalidRequestError(f"the model's chat template did not finish within {CHAT_TEMPLATE_TIME_LIMIT_S:g} s "
+                                      "on these messages", param="messages", code="chat_template_timeout") from None
+        except Exception as e:  # the template's own checks (roles that must alternate) and the sandbox's
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
 
     def validate(self, request: GenerationRequest) -> None:
         prompt, params = request.prompt_token_ids, request.params

@@ -11,12 +11,13 @@ from starlette.concurrency import run_in_threadpool
 from engine.api import EngineUnavailableError, GenerationRequest
 from server import protocol as p
 from server.errors import model_not_found
+from server.json_body import StrictJSONRoute
 from server.serving import ChatFormat, CompletionFormat, Serving
 from server.structured import with_response_format
 from server.tools import WARNING_HEADER, plan_tools
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)  # duplicate keys and deep nesting: 400
 
 
 def ready_engine(raw: Request, model: str | None = None):
