@@ -46,7 +46,7 @@ class OffloadedExperts:
         self.module.forward = self.forward
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index)
+        needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index, hidden)
         out = torch.zeros_like(hidden)  # [T, H]
 
         def compute(turn: Sequence[int], slots: Sequence[int]) -> None:
