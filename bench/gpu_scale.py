@@ -30,7 +30,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -315,7 +314,7 @@ def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Se
     rows = []
     for key, n, variant in schedule(shapes, variants):
         shape = shapes[key]
-        row = {"kind": "row", "shape": key, "variant": variant.label(), "policy": variant.policy,
+        row = {"kind": "row", "shape": key, "runner": variant.kind, "variant": variant.label(), "policy": variant.policy,
                "prefetch": variant.prefetch, "fraction": variant.fraction if variant.kind == "moe-serve" else None}  # fmt: skip
         if variant.kind == "moe-serve":
             row["cache"] = f"{capacity_of(shape, variant)}/{shape.total_experts}"
@@ -374,8 +373,15 @@ def table(env: dict, link: dict, shapes: dict[str, ModelShape], rows: list[dict]
                   f"top-{shape.top_k}, {_size(shape.expert_bytes(dtype))} per expert ({dtype_name(dtype)})", "",
                   "| variant | device cache | TPOT ms | TTFT ms | hit rate | GB moved per token "
                   "| replay TPOT ms | replay error |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [_table_row(row) for row in rows if row["shape"] == key]
+        lines += [_table_row(row) for row in sorted(rows, key=_table_order) if row["shape"] == key]
     return "\n".join(lines) + "\n"
+
+
+def _table_order(row: dict) -> tuple:
+    """transformers, accelerate, then moe-serve all-resident and by growing cache (rows run in another order)."""
+    runner = ("transformers", "accelerate", "moe-serve").index(row["runner"])
+    fraction = row["fraction"] or 0.0
+    return runner, fraction < 1, fraction, row["policy"], row["prefetch"]
 
 
 def _table_row(row: dict) -> str:
@@ -426,8 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench.gpu_scale needs a CUDA device, and torch.cuda.is_available() is False "
               "(use --dry-run to run the script on CPU with tiny shapes)", file=sys.stderr)  # fmt: skip
         return 2
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # local folders only: never reach the hub
-        os.environ[name] = "1"
     _defaults(args)
     device = torch.device("cpu" if args.dry_run else "cuda")
     if args.dry_run:
@@ -455,7 +459,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _defaults(args: argparse.Namespace) -> None:
     """Quick and dry runs are smaller; a flag given on the command line wins."""
-    small = args.dry_run or args.quick
     if args.shapes is None:
         args.shapes = "deepseek" if args.quick and not args.dry_run else ",".join(SHAPES)
     if args.rounds is None:
@@ -463,7 +466,7 @@ def _defaults(args: argparse.Namespace) -> None:
     if args.tokens is None:
         args.tokens = 4 if args.dry_run else 32
     if args.warmup_tokens is None:
-        args.warmup_tokens = 2 if small else 4
+        args.warmup_tokens = 2 if args.dry_run else 4
     if args.accelerate_tokens is None:
         args.accelerate_tokens = 3 if args.dry_run else 5
     if args.budget_s is None and not args.dry_run:
