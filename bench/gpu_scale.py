@@ -18,7 +18,7 @@
    the measured copy rate, the expert size, per-layer compute from the all-resident row and
    the look-ahead accuracy the engine measured; the command that reproduces it is in the JSON.
 
-Prints one JSON object per line (kinds: env, plan, link, build, row, skipped), then the Markdown
+Prints one JSON object per line (kinds: env, plan, link, build, row, skipped, failed), then the Markdown
 table; `--out FILE` appends the table to FILE. Rows that would end past `--budget-s` are skipped
 (and say so), so a run never overstays its lease. The accelerate rows generate fewer tokens
 (`--accelerate-tokens`): they take seconds per token.
@@ -291,9 +291,15 @@ def emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
 
-def build(key: str, shape: ModelShape, settings: Settings) -> Path:
+def build(key: str, shape: ModelShape, settings: Settings) -> Path | None:
+    """The shape's checkpoint on disk; None (said in a `failed` line) when it cannot be written."""
     started = time.perf_counter()
-    folder = write_checkpoint(shape, settings.workdir / key, settings.dtype, settings.device)
+    try:
+        folder = write_checkpoint(shape, settings.workdir / key, settings.dtype, settings.device)
+    except Exception as e:  # its rows fail; the other shape's still run
+        traceback.print_exc()
+        emit({"kind": "failed", "shape": key, "step": "build", "reason": f"{type(e).__name__}: {e}"})
+        return None
     emit({"kind": "build", "shape": key, "name": shape.name, "seconds": round(time.perf_counter() - started, 2),
           "checkpoint_gb": round(checkpoint_bytes(folder) / 1e9, 3),
           "expert_mb": shape.expert_bytes(settings.dtype) / 1e6})  # fmt: skip
@@ -302,9 +308,12 @@ def build(key: str, shape: ModelShape, settings: Settings) -> Path:
 
 
 def schedule(shapes: dict[str, ModelShape], variants: list[Variant]) -> list[tuple[str, int, Variant]]:
-    """Shape by shape; the accelerate rows (seconds per token) last, so the budget cuts them first."""
-    rows = [(key, n, v) for key in shapes for n, v in enumerate(variants) if v.kind != "accelerate"]
-    return rows + [(key, n, v) for key in shapes for n, v in enumerate(variants) if v.kind == "accelerate"]
+    """Group by group in plan order (transformers, all-resident, each cache size, accelerate), both
+    shapes in each group: when the budget cuts the tail, it cuts the least needed rows of both."""
+    groups = list(dict.fromkeys((v.kind, v.fraction) for v in variants))
+    keys = list(shapes)
+    jobs = [(key, n, v) for key in shapes for n, v in enumerate(variants)]
+    return sorted(jobs, key=lambda job: (groups.index((job[2].kind, job[2].fraction)), keys.index(job[0]), job[1]))
 
 
 def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Settings, link: dict,
@@ -318,20 +327,18 @@ def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Se
                "prefetch": variant.prefetch, "fraction": variant.fraction if variant.kind == "moe-serve" else None}  # fmt: skip
         if variant.kind == "moe-serve":
             row["cache"] = f"{capacity_of(shape, variant)}/{shape.total_experts}"
-        if not budget.allows(key, variant.kind):
+        if folders[key] is None:
+            row.update(kind="failed", reason="no checkpoint (its build failed)")
+        elif not budget.allows(key, variant.kind):
             row.update(kind="skipped", reason=f"would end past the {budget.seconds:.0f} s budget")
         else:
             started = time.perf_counter()
-            try:
-                row.update(run_row(folders[key], key, n, variant, shape, settings))
-                if variant.kind == "moe-serve" and variant.fraction >= 1:
+            row.update(measure_row(folders[key], key, n, variant, shape, settings))
+            if row["kind"] == "row" and variant.kind == "moe-serve":
+                if variant.fraction >= 1:
                     resident_tpot_ms[key] = row["tpot_ms"]
-                if variant.kind == "moe-serve" and key in resident_tpot_ms:
-                    row.update(predict(row, variant, shape, link[key]["gbps"], resident_tpot_ms[key], settings.dtype))
-            except Exception as e:  # one broken row must not cost the others on a lent machine
-                traceback.print_exc()
-                row.update(kind="failed", reason=f"{type(e).__name__}: {e}")
-            _free(settings.device)
+                if key in resident_tpot_ms:
+                    row.update(predict_row(row, variant, shape, link[key]["gbps"], resident_tpot_ms[key], settings.dtype))
             row["seconds"] = round(time.perf_counter() - started, 2)
             budget.record(key, variant.kind, row["seconds"])
             if settings.device.type == "cuda":
@@ -339,6 +346,26 @@ def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Se
         emit(row)
         rows.append(row)
     return rows
+
+
+def measure_row(folder: Path, key: str, n: int, variant: Variant, shape: ModelShape, settings: Settings) -> dict:
+    """The row's measurements, or why it failed: one broken row must not cost the others on a lent machine."""
+    try:
+        return run_row(folder, key, n, variant, shape, settings)
+    except Exception as e:
+        traceback.print_exc()
+        return {"kind": "failed", "reason": f"{type(e).__name__}: {e}"}
+    finally:
+        _free(settings.device)
+
+
+def predict_row(row: dict, variant: Variant, shape: ModelShape, link_gbps: float, resident_tpot_ms: float,
+                dtype: torch.dtype) -> dict:  # fmt: skip
+    try:
+        return predict(row, variant, shape, link_gbps, resident_tpot_ms, dtype)
+    except Exception as e:  # the measurement stands without its prediction
+        traceback.print_exc()
+        return {"replay_failed": f"{type(e).__name__}: {e}"}
 
 
 def run_row(folder: Path, key: str, n: int, variant: Variant, shape: ModelShape, settings: Settings) -> dict:
@@ -413,7 +440,7 @@ def _size(num_bytes: int) -> str:
 # -- CLI --------------------------------------------------------------------------------
 
 
-def environment(args: argparse.Namespace, device: torch.device) -> dict:
+def environment(args: argparse.Namespace, argv: list[str], device: torch.device) -> dict:
     import accelerate
     import transformers
 
@@ -422,11 +449,12 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
         "dry_run": args.dry_run, "quick": args.quick, "rounds": args.rounds, "tokens": args.tokens,
-        "budget_s": args.budget_s, "command": shlex.join(["python", "-m", "bench.gpu_scale", *sys.argv[1:]]),
+        "budget_s": args.budget_s, "command": shlex.join(["python", "-m", "bench.gpu_scale", *argv]),
     }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("error: bench.gpu_scale needs a CUDA device, and torch.cuda.is_available() is False "
@@ -439,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     shapes = {key: tiny(SHAPES[key]) if args.dry_run else SHAPES[key] for key in args.shapes.split(",")}
     variants = plan(args.quick)
-    env = environment(args, device)
+    env = environment(args, argv, device)
     emit(env)
     emit({"kind": "plan", "shapes": list(shapes), "rows": [v.label() for v in variants]})
     budget = Budget(args.budget_s)

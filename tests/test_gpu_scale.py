@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_scale import placement, plan
+import bench.gpu_scale as gpu_scale
+from bench.gpu_scale import Budget, Settings, Variant, placement, plan, run_all, schedule, table
+from bench.scale_models import SHAPES, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = ("mixtral", "deepseek")
+SHAPE_KEYS = ("mixtral", "deepseek")
 TINY_LAYERS = 3  # bench.scale_models.tiny
 
 
@@ -51,10 +53,10 @@ def test_dry_run_runs_every_variant_of_both_shapes(dry_run):
     assert variants == [v.label() for v in plan(quick=False)]
     rows = [r for r in records if r["kind"] in ("row", "skipped", "failed")]
     assert [r for r in rows if r["kind"] != "row"] == []  # nothing failed, nothing skipped (no budget)
-    for shape in SHAPES:
+    for shape in SHAPE_KEYS:
         assert sorted(r["variant"] for r in rows if r["shape"] == shape) == sorted(variants)
     link = next(r for r in records if r["kind"] == "link")
-    assert all(link[key]["gbps"] > 0 for key in ("big", *SHAPES))
+    assert all(link[key]["gbps"] > 0 for key in ("big", *SHAPE_KEYS))
 
 
 @pytest.mark.slow
@@ -72,7 +74,7 @@ def test_dry_run_rows_carry_measurements_and_the_replay_prediction(dry_run):
         assert ("--prefetch" in r["replay_command"]) == r["prefetch"]
         if not r["prefetch"]:
             assert r["prefetches_per_token"] == 0
-    for shape in SHAPES:
+    for shape in SHAPE_KEYS:
         resident = next(r for r in engine_rows if r["shape"] == shape and r["fraction"] == 1)
         assert resident["hit_rate"] == 1 and resident["gb_per_token"] == 0  # warmed up: nothing moves
         smallest = [r for r in engine_rows if r["shape"] == shape and r["fraction"] == 1 / 16]
@@ -120,3 +122,31 @@ def test_placement_counts_decoder_layers_per_place():
     per_layer = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.layers.10": "cpu",
                  "model.layers.2": "cpu", "model.norm": "cpu"}  # fmt: skip
     assert placement(per_layer, 3) == {"0": 1, "cpu": 2}  # model.layers.10 is not layer 1
+
+
+def test_schedule_runs_each_group_for_both_shapes_and_accelerate_last():
+    jobs = schedule({"a": SHAPES["mixtral"], "b": SHAPES["deepseek"]}, plan(quick=False))
+    assert len(jobs) == 2 * len(plan(quick=False))
+    assert [(key, v.kind) for key, _, v in jobs[:4]] == [("a", "transformers"), ("b", "transformers"),
+                                                         ("a", "moe-serve"), ("b", "moe-serve")]  # fmt: skip
+    assert [v.fraction for _, _, v in jobs[2:]][:10] == [1, 1, *[1 / 4] * 8]
+    assert [(key, v.kind) for key, _, v in jobs[-2:]] == [("a", "accelerate"), ("b", "accelerate")]
+
+
+def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gpu_scale, "run_transformers", broken)
+    settings = Settings(torch.device("cpu"), torch.float32, rounds=1, tokens=3, warmup_tokens=2,
+                        accelerate_tokens=3, workdir=tmp_path)  # fmt: skip
+    shapes = {"mixtral": tiny(SHAPES["mixtral"])}
+    link = {"big": {"bytes": 1 << 20, "gbps": 10.0}, "mixtral": {"bytes": 1 << 10, "gbps": 10.0}}
+    variants = [Variant("transformers"), Variant("moe-serve"), Variant("moe-serve", 1 / 4, "sparsity-aware", True)]
+    rows = run_all(shapes, variants, settings, link, Budget(None))
+    assert [r["kind"] for r in rows] == ["failed", "row", "row"]
+    assert rows[0]["reason"] == "RuntimeError: boom"
+    assert rows[2]["replay_tpot_ms"] > 0 and rows[2]["cache"] == "6/24"
+    env = {"dry_run": True, "device": "cpu", "device_name": "cpu", "command": "x", "date": "d", "torch": "t",
+           "transformers": "t", "accelerate": "a", "rounds": 1, "tokens": 3}  # fmt: skip
+    assert "| transformers, all on the GPU | — | failed: RuntimeError: boom |" in table(env, link, shapes, rows, torch.float32)
