@@ -455,7 +455,11 @@ def environment(args: argparse.Namespace, argv: list[str], device: torch.device)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unknown = set((args.shapes or "").split(",")) - set(SHAPES) - {""}
+    if unknown:
+        parser.error(f"--shapes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SHAPES)}")
     if not args.dry_run and not torch.cuda.is_available():
         print("error: bench.gpu_scale needs a CUDA device, and torch.cuda.is_available() is False "
               "(use --dry-run to run the script on CPU with tiny shapes)", file=sys.stderr)  # fmt: skip
