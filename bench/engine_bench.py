@@ -18,11 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
+from cache.stats import CacheStats
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -45,26 +48,58 @@ def build_model(
     return folder
 
 
+@dataclass(frozen=True)
+class EngineRun:
+    ttft_s: float
+    tpot_s: float
+    decode_counters: dict[str, int]  # the expert cache's counters over the decode steps (prefill excluded)
+    decode_steps: int
+
+
+def engine_run(engine: Engine, prompt: list[int], tokens: int) -> EngineRun:
+    """One greedy request of `tokens` tokens: its times, and what the cache did after the prefill."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    before = None
+    for _ in engine.generate(GenerationRequest("bench", prompt, params)):
+        before = before or engine.cache_counters()  # at the first token: the prefill is done
+    after = engine.cache_counters()
+    t = engine.last_times
+    counters = {name: after[name] - before[name] for name in CacheStats.COUNTERS}
+    return EngineRun(t.first_token - t.start, (t.end - t.first_token) / (t.tokens - 1), counters, t.tokens - 1)
+
+
 def engine_tpot(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(time to first token, time per output token after it) in seconds."""
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for _ in engine.generate(GenerationRequest("bench", prompt, params)):
+    run = engine_run(engine, prompt, tokens)
+    return run.ttft_s, run.tpot_s
+
+
+class TokenClock(BaseStreamer):
+    """Marks the time `generate` hands over the prompt and then each new token."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def put(self, value) -> None:
+        self.marks.append(time.perf_counter())
+
+    def end(self) -> None:
         pass
-    t = engine.last_times
-    return t.first_token - t.start, (t.end - t.first_token) / (t.tokens - 1)
 
 
-def transformers_tpot(model, prompt: list[int], tokens: int) -> tuple[float, float]:
-    ids = torch.tensor([prompt], device=model.device)
+def transformers_tpot(model, prompt: list[int], tokens: int, device=None) -> tuple[float, float]:
+    """(time to first token, time per output token after it) in seconds, of one `generate` call.
+
+    `device`: where the prompt goes (default `model.device`, which is `meta` when accelerate
+    offloads the first weights to disk)."""
+    ids = torch.tensor([prompt], device=device or model.device)
+    clock = TokenClock()
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, **kwargs)
-        total = time.perf_counter() - start
-    return ttft, (total - ttft) / (tokens - 1)
+        model.generate(ids, max_new_tokens=tokens, streamer=clock, **kwargs)
+    first, last = clock.marks[1], clock.marks[-1]  # marks[0]: the prompt, before the prefill
+    return first - start, (last - first) / (tokens - 1)
 
 
 def run_tpot(args: argparse.Namespace) -> dict:
@@ -89,7 +124,7 @@ def run_tpot(args: argparse.Namespace) -> dict:
             samples["ours_25pct"].append(engine_tpot(ours_quarter, prompt, args.tokens))
         after = ours_quarter.cache_counters()
         per_run = {k: (after[k] - before[k]) for k in ("hits", "misses", "bytes_transferred")}
-    result = {name: _median_ms(values) for name, values in samples.items()}
+    result = {name: median_ms(values) for name, values in samples.items()}
     result["tpot_ratio_ours_over_transformers"] = (
         result["ours_all"]["tpot_ms"] / result["transformers"]["tpot_ms"]
     )
@@ -103,7 +138,7 @@ def run_tpot(args: argparse.Namespace) -> dict:
     return result
 
 
-def _median_ms(values: list[tuple[float, float]]) -> dict:
+def median_ms(values: list[tuple[float, float]]) -> dict:
     return {
         "ttft_ms": 1000 * statistics.median(v[0] for v in values),
         "tpot_ms": 1000 * statistics.median(v[1] for v in values),
