@@ -2,11 +2,15 @@
 
     python -m bench.engine_bench tpot [--device cpu] [--tokens 64] [--rounds 3]
     python -m bench.engine_bench rss  [--host-cache-gb 0.25]
+    python -m bench.engine_bench server [--tokens 64] [--rounds 3]
 
 `tpot`: time per output token of our engine vs transformers `generate` on the same model
 with all experts resident, then our engine with a cache of 25% of the experts (TPOT,
 hits/misses and bytes moved per token). `rss`: peak RSS of a process that loads a
 checkpoint bigger than `--host-cache-gb` and generates, vs one that keeps all experts in RAM.
+`server`: the same model with all experts cached through a real `moe-serve` process (streamed
+`/v1/completions`, TTFT and TPOT from the SSE chunks' arrival), against the engine called
+directly and transformers `generate`, interleaved round by round (CPU).
 """
 
 from __future__ import annotations
@@ -138,6 +142,51 @@ def run_tpot(args: argparse.Namespace) -> dict:
     return result
 
 
+def server_tpot(server, model: str, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """TTFT and TPOT (s) of one streamed greedy completion, as a client sees them."""
+    from server.testing import sse_data
+
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    arrivals = []
+    with server.http() as http, http.stream("POST", "/v1/completions", json=body, timeout=600) as response:
+        for event in sse_data(response.iter_lines()):
+            if event == "[DONE]":
+                break
+            if json.loads(event)["choices"]:
+                arrivals.append(time.perf_counter())
+    return arrivals[0] - start, (arrivals[-1] - arrivals[0]) / max(1, len(arrivals) - 1)
+
+
+def run_server(args: argparse.Namespace) -> dict:
+    from server.testing import RemoteServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
+        flags = ["--model", str(folder), "--device", "cpu", "--policy", "lru", "--no-prefetch"]
+        engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        prompt = engine.encode(PROMPT)
+        samples: dict[str, list[tuple[float, float]]] = {"server": [], "engine": [], "transformers": []}
+        with RemoteServer(flags, ready_timeout=600) as server:
+            model = server.openai().models.list().data[0].id
+            server_tpot(server, model, prompt, 4)  # warm-up
+            engine_tpot(engine, prompt, 4)
+            transformers_tpot(reference, prompt, 4)
+            for _ in range(args.rounds):  # interleaved, so machine noise hits all alike
+                samples["server"].append(server_tpot(server, model, prompt, args.tokens))
+                samples["engine"].append(engine_tpot(engine, prompt, args.tokens))
+                samples["transformers"].append(transformers_tpot(reference, prompt, args.tokens))
+    result = {name: median_ms(values) for name, values in samples.items()}
+    result["tpot_server_over_transformers"] = result["server"]["tpot_ms"] / result["transformers"]["tpot_ms"]
+    result["tpot_server_over_engine"] = result["server"]["tpot_ms"] / result["engine"]["tpot_ms"]
+    result["ttft_server_minus_engine_ms"] = result["server"]["ttft_ms"] - result["engine"]["ttft_ms"]
+    result["setup"] = {"model": "Mixtral-shaped, H=256, I=512, 8 layers x 8 experts top-2, fp32, all cached",
+                       "prompt_tokens": len(prompt), "new_tokens": args.tokens, "rounds": args.rounds}
+    return result
+
+
 def median_ms(values: list[tuple[float, float]]) -> dict:
     return {
         "ttft_ms": 1000 * statistics.median(v[0] for v in values),
@@ -198,14 +247,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["tpot", "rss"])
+    parser.add_argument("what", choices=["tpot", "rss", "server"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--host-cache-gb", type=float, default=0.25)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(json.dumps(run_tpot(args) if args.what == "tpot" else run_rss(args), indent=2))
+    run = {"tpot": run_tpot, "rss": run_rss, "server": run_server}[args.what]
+    print(json.dumps(run(args), indent=2))
 
 
 if __name__ == "__main__":
