@@ -56,6 +56,7 @@ class RecordedEngine:
     sampling_defaults: dict = {}
 
     def __init__(self) -> None:
+        self.tokenizer = build_tokenizer("qwen")
         self.output = ""
         self.tools: list[dict] | None = None
         self.messages: list[dict] = []
