@@ -92,6 +92,17 @@ SHAPES: dict[str, ShapeParams] = {
     ),
 }
 
+# Issue 12's statistics of the real decode traces the presets stand in for (`cache.trace_stats`).
+REAL_TRACE_STATS = {
+    "llama4-like": {"tokens_median": 128, "first_use_share": 0.21, "reuse_p50": 2, "reuse_p90": 26,
+                    "same_as_previous": 0.33, "distinct_median": 27, "top10_share": 0.54, "nearest_cosine": 0.83},
+    "deepseek-v2-lite-like": {"tokens_median": 27, "first_use_share": 0.09, "reuse_p50": 4, "reuse_p90": 21,
+                              "same_as_previous": 0.26, "distinct_median": 47, "top10_share": 0.15,
+                              "nearest_cosine": 0.84},
+    "mixtral-like": {"tokens_median": 123, "first_use_share": 0.03, "reuse_p50": 2, "reuse_p90": 9,
+                     "same_as_previous": 0.37, "distinct_median": 8, "top10_share": 0.17, "nearest_cosine": 0.94},
+}
+
 
 # -- generation ------------------------------------------------------------------------
 
@@ -264,7 +275,7 @@ def _reuse_counts(dec: np.ndarray, window: int = 8) -> tuple[int, int, int]:
     valid = cur >= 0
     same = (cur[..., :, None] == dec[:-1, :, None, :]).any(-1)
     recent = same.copy()
-    for back in range(2, window + 1):
+    for back in range(2, min(window, T - 1) + 1):
         hit = (cur[back - 1 :, ..., None] == dec[: T - back, :, None, :]).any(-1)
         recent[back - 1 :] |= hit
     return int((same & valid).sum()), int((recent & valid).sum()), int(valid.sum())
@@ -291,14 +302,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="many-small")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--decode-tokens", type=int, default=None, help="generated tokens per request (128)")
+    parser.add_argument("--decode-tokens", type=int, default=None, help="generated tokens of every request (default: the shape's)")
     parser.add_argument("--groups", type=int, default=None, help="activation groups (request kinds)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--stats", action="store_true", help="print the trace's decode statistics")
     args = parser.parse_args(argv)
     params = SHAPES[args.shape]
     if args.decode_tokens is not None:
-        params = replace(params, decode_tokens=args.decode_tokens)
+        params = replace(params, decode_tokens=args.decode_tokens, decode_sigma=0.0)
     if args.groups is not None:
         params = replace(params, groups=args.groups)
     header, requests = generate(params, args.requests, args.seed, model=f"synthetic-{args.shape}")
