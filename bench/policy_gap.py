@@ -2,7 +2,8 @@
 
     python -m bench.policy_gap                       # the three presets (seed 0) and the demo trace
     python -m bench.policy_gap --seed 1 --requests 100   # another seed, first 100 requests (quick)
-    python -m bench.policy_gap --cost                # µs per cache decision of each policy
+    python -m bench.policy_gap --cost                # µs per decode access, lru vs sparsity-aware
+    python -m bench.policy_gap --stats               # the trace_stats row of each trace
 
 Presets are generated with `cache.tracegen` at the request counts of the issue's real
 traces (Mixtral: 100 instead of 4, the per-request statistics are the same) and replayed
@@ -86,13 +87,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="only the first N requests (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--stats", action="store_true", help="print the trace_stats row of each trace")
+    parser.add_argument("--stats", action="store_true", help="only the trace_stats row of each trace")
     parser.add_argument("--cost", action="store_true", help="µs per decode access, lru vs sparsity-aware")
     args = parser.parse_args()
     names = args.traces.split(",")
     if args.stats:
         for name in names:
             print(table_row(name, trace_stats(*load(name, args.requests, args.seed))), flush=True)
+        return
     if args.cost:
         for name in names:
             frac = DEMO_FRACS[1] if name == "demo" else POINTS[name][1][0]
