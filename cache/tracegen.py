@@ -10,7 +10,10 @@ one of the last 8 tokens' experts, or draws a fresh one from the request's distr
 these choices are correlated across the layers of a token (repetitive stretches of text
 repeat at every layer). Prompt tokens draw from a mix of the request's and the global
 distribution. The parameters of each shape are calibrated with `trace_stats` to the
-statistics of real decode traces (DESIGN.md; see `REAL_DECODE_STATS`).
+statistics of real decode traces (DESIGN.md; see `REAL_DECODE_STATS`); the presets
+`llama4-like`, `deepseek-v2-lite-like` and `mixtral-like` are fitted with
+`cache.trace_stats` to issue 12's three real traces (`REAL_TRACE_STATS`). Generated tokens
+per request are fixed, or log-normal around a median (`decode_sigma`).
 """
 
 from __future__ import annotations
