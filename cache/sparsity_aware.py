@@ -11,8 +11,9 @@ run wait a whole pass, so they go first and the rest stay. The second term is a
 learned estimate, conditioned on two signals:
 - recency: passes since (l, e) was last used (its age);
 - request-level prediction: the expected share of this request's tokens that use
-  (l, e), from the request's own decode counts so far blended with a prior predicted
-  by matching the request's rEAM against the EAMC (past requests of the same kind).
+  (l, e), from the request's own decode counts so far blended with a prior that mixes
+  the EAMC entries matching the request's rEAM (past requests of the same kind), the
+  traffic's global popularity and the request's own prompt routing (`SharePredictor`).
 It comes from a hazard table per (prediction bucket, age bin) — the chance of use per
 pass — learned online from every use and every pass an expert waits (so it calibrates
 itself to the model and traffic at hand), and counts only reuses within a horizon of
