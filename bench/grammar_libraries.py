@@ -2,7 +2,7 @@
 
 `OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 python -m bench.grammar_libraries`
 
-The real Qwen vocabulary the tests use (151,665 tokens), three JSON schemas (any object, a tool call
+The real Qwen vocabulary the tests use (151,646 tokens), three JSON schemas (any object, a tool call
 with nested object/array/enum, a strict answer with bounded strings), one fixed valid answer per
 schema tokenized once and forced on every library. Per library and schema: the compile time
 (tokenizer set up once beforehand, not counted), then per token the library's own next-token
