@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace) -> dict:
             weight, t = views[name], layout[name]
             label = f"{expert_dtype} g{group or 'channel'}"
             forms = {f"{t.packing} (the pick)": weight.linear}
-            if t.packing in ("int8", "int4-plain"):  # the same bytes, forced through the dequantize path
+            if t.packing in ("int8", "int8-cpu", "int4-plain"):  # the same bytes, forced through the dequantize path
                 forms["dequantize + F.linear"] = weight.linear_dequantized
             for form, fn in forms.items():
                 rows.append({"product": name, "form": f"{label} {form}", "bytes": t.nbytes + t.scale_nbytes,

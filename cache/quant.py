@@ -6,15 +6,18 @@ element's error is at most `scale / 2`. An expert is a list of named tensors (2-
 quantized, 1-D biases kept in the compute dtype) laid out back to back in one uint8 buffer by a
 `QuantLayout`, so it lives in the host store and in device slots like any other expert buffer.
 
-How each weight is packed is fixed per device by measurement (`bench/quant_kernels.py`,
-`/work/shared/measurements`), and the matmul follows from the packing:
-- `int8`: int8 `[out, in]`; per output channel (one group) PyTorch's `_weight_int8pack_mm` on the
-  CPU (2.7× bf16 there); on CUDA that kernel is slower than the bf16 expert, and grouped int8 has
-  no kernel at all, so those dequantize into a scratch weight and use `F.linear`.
+How each weight is packed is fixed per device by measurement (`bench/quant_kernels.py` on the
+CPU, the H200 figures in the shared measurements for CUDA), and the matmul follows from the packing:
+- `int8-cpu`: int8 `[out, in]`, one bf16 scale per output channel, PyTorch's `_weight_int8pack_mm`
+  (CPU: 2.8× faster than bf16 `F.linear` with bf16 activations, 4.6× slower with float32 ones,
+  so the kernels always get bf16 activations).
+- `int8`: int8 `[out, in]`, grouped, dequantized into a scratch weight for `F.linear`: grouped int8
+  has no kernel, and on CUDA `_weight_int8pack_mm` is slower than the whole bf16 expert.
 - `int4-cpu`: `_convert_weight_to_int4pack_for_cpu` layout for `_weight_int4pack_mm_for_cpu`.
-- `int4-cuda`: tinygemm layout (`_convert_weight_to_int4pack`) for `_weight_int4pack_mm` (bf16).
+- `int4-cuda`: tinygemm layout (`_convert_weight_to_int4pack`) for `_weight_int4pack_mm`.
 - `int4-plain`: two values per byte (even index in the high nibble), dequantized; for shapes or
   group sizes the kernels do not take.
+The kernels compute in bf16 (their scales are bf16), the dequantize paths in the compute dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what both int4 kernels accept
 ALIGN = 64  # every tensor in a buffer starts on a 64-byte boundary (dtype views, vector loads)
 PER_CHANNEL = 0  # group_size meaning "one group per output channel"
 KERNEL_INT4 = ("int4-cpu", "int4-cuda")
+KERNELS = ("int8-cpu", *KERNEL_INT4)  # packings computed by a PyTorch kernel, in bf16
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class PackedTensor:
     """Where one parameter lies in an expert buffer, and how it is stored."""
 
     name: str
-    packing: str  # "raw" | "int8" | "int4-cpu" | "int4-cuda" | "int4-plain"
+    packing: str  # "raw" | "int8-cpu" | "int8" | "int4-cpu" | "int4-cuda" | "int4-plain"
     shape: tuple[int, ...]  # raw: its shape; quantized: [out, in]
     group_size: int  # quantized: elements per scale along `in`
     transposed: bool  # stored `[in, out]` in the checkpoint (see `ParamSpec`)
@@ -145,9 +149,9 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tor
 
 def choose_packing(expert_dtype: str, out_in: tuple[int, int], group: int, device_type: str) -> str:
     """The storage form of one weight on `device_type`; the kernel follows from it (see module doc)."""
-    if expert_dtype == "int8":
-        return "int8"
     out_f, in_f = out_in
+    if expert_dtype == "int8":
+        return "int8-cpu" if device_type == "cpu" and group == in_f else "int8"
     if group in INT4_KERNEL_GROUPS:
         if device_type == "cpu" and out_f % 16 == 0:
             return "int4-cpu"
@@ -162,7 +166,7 @@ def _inner_k_tiles(in_features: int) -> int:
 
 
 def _scale_dtype(packing: str, compute_dtype: torch.dtype) -> torch.dtype:
-    return torch.bfloat16 if packing == "int4-cuda" else compute_dtype
+    return torch.bfloat16 if packing in KERNELS else compute_dtype
 
 
 def _aligned(n: int) -> int:
@@ -235,7 +239,7 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_weight(q: torch.Tensor, packing: str) -> torch.Tensor:
-    if packing == "int8":
+    if packing in ("int8", "int8-cpu"):
         return q
     if packing == "int4-cpu":
         return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 2)  # uint8 [out, in/2]
@@ -267,14 +271,16 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x [t, in] @ w.T → [t, out]` with the kernel of this packing (see module doc)."""
-        if self.packing == "int8" and self.group_size == self.shape[1] and x.device.type == "cpu":
-            return torch._weight_int8pack_mm(x, self.data, self.scales.reshape(-1))
-        if self.packing == "int4-cpu":
-            return torch._weight_int4pack_mm_for_cpu(x, self.data, self.group_size, self.scales)
-        if self.packing == "int4-cuda":
-            y = torch._weight_int4pack_mm(x.to(torch.bfloat16), self.data, self.group_size, self.scales)
-            return y.to(x.dtype)
-        return self.linear_dequantized(x)
+        if self.packing not in KERNELS:
+            return self.linear_dequantized(x)
+        x16 = x.to(torch.bfloat16)
+        if self.packing == "int8-cpu":
+            y = torch._weight_int8pack_mm(x16, self.data, self.scales.reshape(-1))
+        elif self.packing == "int4-cpu":
+            y = torch._weight_int4pack_mm_for_cpu(x16, self.data, self.group_size, self.scales)
+        else:
+            y = torch._weight_int4pack_mm(x16, self.data, self.group_size, self.scales)
+        return y.to(x.dtype)
 
     def linear_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """The fallback: the whole weight dequantized into a scratch tensor, then `F.linear`."""
@@ -283,7 +289,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight `[out, in]` as the kernels see it (int8 and plain int4 only; the kernel
         layouts are opaque, tests reach them through `linear`)."""
-        if self.packing == "int8":
+        if self.packing in ("int8", "int8-cpu"):
             return dequantize(self.data, self.scales, dtype)
         if self.packing == "int4-plain":
             high, low = (self.data >> 4).to(torch.int8) - 8, (self.data & 15).to(torch.int8) - 8
@@ -310,7 +316,7 @@ def unpack_expert(layout: QuantLayout, buffer: torch.Tensor) -> dict[str, torch.
 
 def _weight_view(data: torch.Tensor, t: PackedTensor) -> torch.Tensor:
     out_f, in_f = t.shape
-    if t.packing == "int8":
+    if t.packing in ("int8", "int8-cpu"):
         return data.view(torch.int8).view(out_f, in_f)
     if t.packing == "int4-cuda":
         tiles = _inner_k_tiles(in_f)
