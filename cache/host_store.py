@@ -1,7 +1,7 @@
 """The host tier: every expert's weights as one contiguous buffer in RAM, or read from disk.
 
 An expert buffer is laid out as `gate [I, H] | up [I, H] | down [H, I]`, flat, in the
-compute dtype; on CUDA it is pinned so that host→device copies run asynchronously.
+compute dtype (or, for quantized experts, as the bytes a `cache.quant.QuantLayout` places); on CUDA it is pinned so that host→device copies run asynchronously.
 With a RAM budget smaller than all experts, the store keeps a bounded LRU tier of
 buffers and reads the rest from the safetensors files on demand.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from cache.policy import ExpertKey
+from cache.quant import QuantLayout
 from cache.safetensors_index import TensorLocation, read_into
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class HostStore:
     def __init__(
         self,
         sources: dict[ExpertKey, list[Segment]],
-        shape: ExpertShape,
+        shape: ExpertShape | QuantLayout,  # anything with `numel`: the elements of one expert buffer
         dtype: torch.dtype,
         capacity: int | None = None,
         pin_memory: bool = False,

@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-EXPERT_DTYPES = ("int8", "int4")
+QUANT_DTYPES = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
 QMIN = {"int8": -127, "int4": -8}
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what both int4 kernels accept
 ALIGN = 64  # every tensor in a buffer starts on a 64-byte boundary (dtype views, vector loads)
 PER_CHANNEL = 0  # group_size meaning "one group per output channel"
+DEFAULT_GROUP_SIZE = {"int8": PER_CHANNEL, "int4": 64}  # int8: the CPU kernel's form; int4: bench/RESULTS.md
 KERNEL_INT4 = ("int4-cpu", "int4-cuda")
 KERNELS = ("int8-cpu", *KERNEL_INT4)  # packings computed by a PyTorch kernel, in bf16
 
@@ -85,6 +86,11 @@ class QuantLayout:
     compute_dtype: torch.dtype  # biases and (except tinygemm's bf16) scales are stored in it
     tensors: tuple[PackedTensor, ...]
     nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of one expert buffer (uint8): what the host store and slots allocate."""
+        return self.nbytes
 
     def __getitem__(self, name: str) -> PackedTensor:
         return next(t for t in self.tensors if t.name == name)
@@ -165,7 +171,7 @@ def _inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
 
 
-def _scale_dtype(packing: str, compute_dtype: torch.dtype) -> torch.dtype:
+def scale_dtype(packing: str, compute_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if packing in KERNELS else compute_dtype
 
 
@@ -181,8 +187,8 @@ def plan_layout(
     device_type: str,
 ) -> QuantLayout:
     """Place every parameter of an expert in a flat buffer, in order, each on an aligned offset."""
-    if expert_dtype not in EXPERT_DTYPES:
-        raise ValueError(f"expert dtype must be one of {', '.join(EXPERT_DTYPES)}, not {expert_dtype!r}")
+    if expert_dtype not in QUANT_DTYPES:
+        raise ValueError(f"expert dtype must be one of {', '.join(QUANT_DTYPES)}, not {expert_dtype!r}")
     tensors, offset = [], 0
     for p in params:
         if not p.quantized:
@@ -195,7 +201,7 @@ def plan_layout(
         packing = choose_packing(expert_dtype, (out_f, in_f), group, device_type)
         nbytes = out_f * in_f // (1 if expert_dtype == "int8" else 2)
         scale_offset = _aligned(offset + nbytes)
-        scale_nbytes = out_f * (in_f // group) * _scale_dtype(packing, compute_dtype).itemsize
+        scale_nbytes = out_f * (in_f // group) * scale_dtype(packing, compute_dtype).itemsize
         scale_nbytes *= 2 if packing in KERNEL_INT4 else 1  # the kernels take a zero point beside each scale
         tensors.append(PackedTensor(
             p.name, packing, (out_f, in_f), group, p.transposed, offset, nbytes, scale_offset, scale_nbytes
@@ -223,7 +229,7 @@ def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: to
             _bytes_of(out, t.offset, t.nbytes).copy_(value.to(layout.compute_dtype).reshape(-1).view(torch.uint8))
             continue
         weight = value.t() if t.transposed else value  # [out, in]
-        q, scales = quantize(weight, layout.expert_dtype, t.group_size, _scale_dtype(t.packing, layout.compute_dtype))
+        q, scales = quantize(weight, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
         _bytes_of(out, t.offset, t.nbytes).copy_(_pack_weight(q, t.packing).reshape(-1).view(torch.uint8).cpu())
         _bytes_of(out, t.scale_offset, t.scale_nbytes).copy_(_pack_scales(scales, t.packing).reshape(-1).view(torch.uint8))
 
@@ -308,7 +314,7 @@ def unpack_expert(layout: QuantLayout, buffer: torch.Tensor) -> dict[str, torch.
             continue
         out_f, in_f = t.shape
         groups = in_f // t.group_size
-        scales = _bytes_of(buffer, t.scale_offset, t.scale_nbytes).view(_scale_dtype(t.packing, layout.compute_dtype))
+        scales = _bytes_of(buffer, t.scale_offset, t.scale_nbytes).view(scale_dtype(t.packing, layout.compute_dtype))
         scales = scales.view(groups, out_f, 2) if t.packing in KERNEL_INT4 else scales.view(out_f, groups)
         views[t.name] = QuantizedWeight(t.packing, t.shape, t.group_size, _weight_view(data, t), scales)
     return views

@@ -17,7 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
 from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
 from cache.host_store import ExpertShape, HostStore
-from cache.policy import make_policy
+from cache.policy import ExpertKey, make_policy
+from cache.quant import ParamSpec, QuantLayout, pack_expert, plan_layout
+from cache.quant_store import open_quant_store
 from cache.runtime import ExpertRuntime
 from cache.safetensors_index import CheckpointError, TensorLocation
 from cache.stats import CacheStats
@@ -37,6 +39,16 @@ class CacheSizing:
     host_gb: float | None = None
 
 
+@dataclass(frozen=True)
+class QuantRequest:
+    """Quantize the experts (`--expert-dtype int8|int4`), keeping the result in `store_path`."""
+
+    expert_dtype: str  # "int8" | "int4"
+    group_size: int  # 0: one scale per output channel
+    store_path: Path
+    checkpoint: str  # the checkpoint's digest: a file for other weights is rebuilt
+
+
 @dataclass
 class OffloadedModel:
     model: nn.Module
@@ -48,6 +60,7 @@ class OffloadedModel:
     shape: ExpertShape
     num_experts: int
     top_k: int
+    quant: QuantLayout | None = None  # None: experts in the compute dtype
 
 
 def load_offloaded_model(
@@ -56,6 +69,7 @@ def load_offloaded_model(
     dtype: torch.dtype,
     sizing: CacheSizing = CacheSizing(),
     policy: str = "lru",
+    quant: QuantRequest | None = None,
 ) -> OffloadedModel:
     read_config_dict(folder)  # refuses unsupported architectures with a clear message
     config = AutoConfig.from_pretrained(folder)
@@ -73,12 +87,16 @@ def load_offloaded_model(
     shape = ExpertShape(hidden=hidden, intermediate=two_i // 2)
     top_k = first.gate.top_k
 
-    host = _build_host_store(folder, expert_tensors, moe_layers, num_experts, shape, dtype, device, sizing)
+    sources = _expert_sources(folder, expert_tensors, moe_layers, num_experts)
+    layout = None
+    if quant is not None:
+        layout, sources = _quantized_sources(sources, shape, dtype, device, quant)
+    host = _build_host_store(sources, layout or shape, torch.uint8 if layout else dtype, device, sizing)
     cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
     for moe_index, layer_index in enumerate(moe_layers):
         mlp = layers[layer_index].mlp
-        mlp.experts = OffloadedExperts(moe_index, shape, mlp.experts.act_fn, runtime)
+        mlp.experts = OffloadedExperts(moe_index, shape, mlp.experts.act_fn, runtime, layout)
 
     _load_dense(model, dense, device, dtype)
     model.to(device)  # the buffers (rotary tables) built on the host at init
@@ -88,10 +106,11 @@ def load_offloaded_model(
         else f"device cache {cache.capacity} experts, RAM tier {host.capacity}"
     )
     log.info(
-        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; %s",
-        config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20, tiers,
+        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert (%s); %s",
+        config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20,
+        layout.expert_dtype if layout else str(dtype).removeprefix("torch."), tiers,
     )
-    return OffloadedModel(model, config, runtime, host, folder, moe_layers, shape, num_experts, top_k)
+    return OffloadedModel(model, config, runtime, host, folder, moe_layers, shape, num_experts, top_k, layout)
 
 
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:
@@ -107,21 +126,41 @@ def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, po
     return cache
 
 
-def _build_host_store(
-    folder: Path,
-    expert_tensors: dict,
-    moe_layers: list[int],
-    num_experts: int,
-    shape: ExpertShape,
-    dtype: torch.dtype,
-    device: torch.device,
-    sizing: CacheSizing,
-) -> HostStore:
+def _expert_sources(
+    folder: Path, expert_tensors: dict, moe_layers: list[int], num_experts: int
+) -> dict[ExpertKey, list]:
     sources = {}
     for moe_index, layer_index in enumerate(moe_layers):
         if layer_index not in expert_tensors:
             raise CheckpointError(f"{folder} has no expert weights for decoder layer {layer_index}")
         sources.update(expert_segments(expert_tensors[layer_index], moe_index, num_experts))
+    return sources
+
+
+def _quantized_sources(
+    sources: dict[ExpertKey, list], shape: ExpertShape, dtype: torch.dtype, device: torch.device, quant: QuantRequest
+) -> tuple[QuantLayout, dict[ExpertKey, list]]:
+    """The experts quantized (once: the file is reused by later starts) and where each lies in that file."""
+    h, i = shape.hidden, shape.intermediate
+    specs = [ParamSpec("gate_up_proj", (2 * i, h)), ParamSpec("down_proj", (h, i))]
+    layout = plan_layout(specs, quant.expert_dtype, quant.group_size, dtype, device.type)
+    checkpoint = HostStore(sources, shape, torch.float32, capacity=0)  # reads experts from disk only
+
+    def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+        flat = torch.empty(shape.numel, dtype=torch.float32)  # gate | up | down
+        checkpoint.read_into(key, flat)
+        pack_expert(layout, {"gate_up_proj": flat[: 2 * i * h].view(2 * i, h), "down_proj": flat[2 * i * h :].view(h, i)}, out)
+
+    return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, list(sources), pack_one)
+
+
+def _build_host_store(
+    sources: dict[ExpertKey, list],
+    shape: ExpertShape | QuantLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    sizing: CacheSizing,
+) -> HostStore:
     if device.type == "cpu":
         return HostStore(sources, shape, dtype, capacity=0)  # the expert cache holds the RAM tier
     host_capacity = None if sizing.host_gb is None else max(1, _experts_in(sizing.host_gb, shape.numel * dtype.itemsize))

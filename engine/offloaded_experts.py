@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache.host_store import ExpertShape
+from cache.quant import QuantLayout, unpack_expert
 from cache.runtime import ExpertRuntime
 
 
@@ -24,8 +25,10 @@ class OffloadedExperts(nn.Module):
         shape: ExpertShape,
         act_fn: Callable[[torch.Tensor], torch.Tensor],
         runtime: ExpertRuntime,
+        quant: QuantLayout | None = None,
     ) -> None:
         super().__init__()
+        self.quant = quant  # None: slots hold float weights; else quantized bytes in this layout
         self.moe_layer = moe_layer
         self.shape = shape
         self.act_fn = act_fn
@@ -54,6 +57,10 @@ class OffloadedExperts(nn.Module):
 
     def _expert(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One expert (`flat`: its slot, gate | up | down) on tokens `x` [t, H] → [t, H], as transformers' eager path."""
+        if self.quant is not None:
+            weights = unpack_expert(self.quant, flat)
+            gate, up = weights["gate_up_proj"].linear(x).chunk(2, dim=-1)
+            return weights["down_proj"].linear(self.act_fn(gate) * up)
         h, i = self.shape.hidden, self.shape.intermediate
         gate_up = flat[: 2 * i * h].view(2 * i, h)  # [2I, H]
         down = flat[2 * i * h :].view(h, i)  # [H, I]
