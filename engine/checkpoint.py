@@ -72,6 +72,13 @@ def read_config_dict(folder: Path) -> dict:
             f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or [])}); "
             f"moe-serve supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else quantized
+        raise CheckpointError(
+            f"the checkpoint is published quantized ({method!r}: {json.dumps(quantized)[:120]}); moe-serve does "
+            "not load quantized checkpoints yet. Use the bf16 release with --expert-dtype int8 or int4."
+        )
     return config
 
 

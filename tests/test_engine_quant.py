@@ -3,12 +3,16 @@ with the same quantized weights, the quantized file is reused on restart, and th
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 
 import pytest
 import torch
 
 from cache.quant import dequantize, quantize, scale_dtype
+from cache.safetensors_index import CheckpointError
+from engine.checkpoint import read_config_dict
 from engine.config import EngineConfig
 from engine.engine import Engine
 from tests.fixtures.models import build_checkpoint, load_reference
@@ -85,3 +89,12 @@ def test_unknown_expert_dtype_or_negative_group_is_refused():
         EngineConfig(expert_dtype="fp8")
     with pytest.raises(ValueError, match="expert-group-size"):
         EngineConfig(expert_group_size=-1)
+
+
+def test_a_checkpoint_published_quantized_is_refused_naming_its_format(folder, tmp_path):
+    copy = shutil.copytree(folder, tmp_path / "fp8")
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="published quantized \\('fp8'"):
+        read_config_dict(copy)
