@@ -25,7 +25,7 @@ import torch
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
-from tests.fixtures.models import FAMILIES, build_checkpoint, load_reference
+from tests.fixtures.models import FAMILIES, MORE_FAMILIES, build_checkpoint, load_reference
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
 CACHE_VARIANTS = {  # the device cache paths: one slot, all resident, and prefetch in the background
@@ -53,7 +53,7 @@ def check_pinned_and_streams(folder: Path) -> dict:
 
 def check_equivalence(tmp: Path) -> dict:
     results = {}
-    for family in FAMILIES:
+    for family in FAMILIES + MORE_FAMILIES:  # on CUDA small experts take the stacked decode path
         folder = build_checkpoint(family, tmp / family)
         reference = load_reference(folder).to("cuda")
         for name, variant in CACHE_VARIANTS.items():

@@ -60,7 +60,7 @@ class SlotBackend:
         self.host = host
         self.device = device
         self.bytes_per_expert = host.bytes_per_expert
-        self.slots = torch.empty(num_slots, host.shape.numel, dtype=host.dtype, device=device)  # [S, 3*I*H]
+        self.slots = torch.empty(num_slots, host.layout.numel, dtype=host.dtype, device=device)  # [S, numel]
         self.cuda = device.type == "cuda"
         if self.cuda:
             self._demand_stream = torch.cuda.Stream(device, priority=-1)
@@ -136,7 +136,7 @@ class InPlaceBackend:
     def __init__(self, host: HostStore, num_slots: int) -> None:
         self.host = host
         self.bytes_per_expert = host.bytes_per_expert
-        self.slots = torch.empty(num_slots, host.shape.numel, dtype=host.dtype)  # [S, 3*I*H]
+        self.slots = torch.empty(num_slots, host.layout.numel, dtype=host.dtype)  # [S, numel]
 
     def load(self, key: ExpertKey, slot: int) -> None:
         self.host.read_into(key, self.slots[slot])
@@ -144,7 +144,7 @@ class InPlaceBackend:
     @contextmanager
     def staged(self, key: ExpertKey) -> Iterator[torch.Tensor]:
         """A prefetch reads the disk outside the cache lock, into a buffer of its own."""
-        buffer = torch.empty(self.host.shape.numel, dtype=self.host.dtype)
+        buffer = torch.empty(self.host.layout.numel, dtype=self.host.dtype)
         self.host.read_into(key, buffer)
         yield buffer
 
@@ -189,8 +189,8 @@ class ExpertCache:
                     self.policy.on_insert(key)
 
     # -- demand path -------------------------------------------------------------------
-    def acquire(self, layer: int, experts: Sequence[int]) -> list:
-        """Make `experts` of `layer` resident and protected; return their slot views.
+    def acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Make `experts` of `layer` resident and protected; return their slots.
 
         At most `capacity` experts can be acquired at once (callers stream larger sets
         in turns). Call `wait` before reading a view and `release` after the step.
@@ -200,7 +200,7 @@ class ExpertCache:
         keys = [(layer, e) for e in experts]
         with self._lock:
             self._protected.update(keys)
-            views = []
+            slots = []
             for key in keys:
                 slot = self._slot_of.get(key)
                 if slot is None:
@@ -214,8 +214,8 @@ class ExpertCache:
                         self._prefetched_unused.discard(key)
                         self.stats.add("prefetch_used", layer)
                 self.policy.on_access(key)
-                views.append(self.backend.view(slot))
-            return views
+                slots.append(slot)
+            return slots
 
     def protect(self, layer: int, experts: Sequence[int]) -> None:
         """Keep `experts` of `layer` from being evicted (by a prefetch thread) until `unprotect`.

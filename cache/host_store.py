@@ -1,7 +1,8 @@
 """The host tier: every expert's weights as one contiguous buffer in RAM, or read from disk.
 
-An expert buffer is laid out as `gate [I, H] | up [I, H] | down [H, I]`, flat, in the
-compute dtype (or, for quantized experts, as the bytes a `cache.quant.QuantLayout` places); on CUDA it is pinned so that host→device copies run asynchronously.
+An expert buffer holds the expert's parameters flat, in `ExpertLayout` order, in the
+compute dtype (quantized experts: uint8, as a `cache.quant.QuantLayout` places them); on
+CUDA it is pinned so that host→device copies run asynchronously.
 With a RAM budget smaller than all experts, the store keeps a bounded LRU tier of
 buffers and reads the rest from the safetensors files on demand.
 """
@@ -9,6 +10,7 @@ buffers and reads the rest from the safetensors files on demand.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -53,13 +55,33 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class ExpertShape:
-    hidden: int  # H
-    intermediate: int  # I
+class ExpertLayout:
+    """One expert's parameters as they lie, flat and in this order, in a host buffer or a cache slot.
+
+    `parts` are the family's per-expert tensors (its fused parameter `[E, ...]` without the
+    expert dimension), e.g. `gate_up_proj [2I, H]`, `down_proj [H, I]`, and biases where the
+    family has them.
+    """
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]  # (parameter name, per-expert shape)
+
+    @classmethod
+    def gated(cls, hidden: int, intermediate: int) -> ExpertLayout:
+        """The common layout: `gate_up_proj [2I, H]` (gate rows, then up rows), `down_proj [H, I]`."""
+        return cls((("gate_up_proj", (2 * intermediate, hidden)), ("down_proj", (hidden, intermediate))))
 
     @property
     def numel(self) -> int:
-        return 3 * self.hidden * self.intermediate
+        return sum(math.prod(shape) for _, shape in self.parts)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a view into `flat` (`[numel]`, or `[n, numel]` for n experts → `[n, *shape]`)."""
+        views, start = {}, 0
+        for name, shape in self.parts:
+            size = math.prod(shape)
+            views[name] = flat[..., start : start + size].unflatten(-1, shape)
+            start += size
+        return views
 
 
 class HostStore:
@@ -72,18 +94,18 @@ class HostStore:
     def __init__(
         self,
         sources: dict[ExpertKey, list[Segment]],
-        shape: ExpertShape | QuantLayout,  # anything with `numel`: the elements of one expert buffer
+        layout: ExpertLayout | QuantLayout,  # `numel`: the elements of one expert buffer
         dtype: torch.dtype,
         capacity: int | None = None,
         pin_memory: bool = False,
     ) -> None:
         self.sources = sources
-        self.shape = shape
+        self.layout = layout
         self.dtype = dtype
         # 0: no RAM tier here; the caller reads experts into buffers of its own (`read_into`)
         self.capacity = len(sources) if capacity is None else max(0, min(capacity, len(sources)))
         self.pin_memory = pin_memory
-        self.bytes_per_expert = shape.numel * dtype.itemsize
+        self.bytes_per_expert = layout.numel * dtype.itemsize
         self.disk_reads = 0
         self._resident: OrderedDict[ExpertKey, torch.Tensor] = OrderedDict()  # least recent first
         self._in_flight: dict[int, object] = {}  # id(buffer) → event of the last copy out of it
@@ -148,7 +170,7 @@ class HostStore:
         """
         victim = self._recyclable()
         if len(self._resident) < self.capacity or victim is None:
-            return torch.empty(self.shape.numel, dtype=self.dtype, pin_memory=self.pin_memory)
+            return torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=self.pin_memory)
         return self._take(victim)
 
     def _trim(self, keep: ExpertKey) -> None:
@@ -169,7 +191,7 @@ class HostStore:
         return buffer
 
     def read_into(self, key: ExpertKey, buffer: torch.Tensor) -> None:
-        """Read the expert from disk into `buffer` (`[3*I*H]`, this store's dtype)."""
+        """Read the expert from disk into `buffer` (`[numel]`, this store's dtype)."""
         self.disk_reads += 1
         start = 0
         for seg in self.sources[key]:
@@ -181,8 +203,8 @@ class HostStore:
                 _read_segment(seg, staging)
                 dst.copy_(staging)
             start += seg.numel
-        if start != self.shape.numel:
-            raise ValueError(f"expert {key} has {start} elements on disk, expected {self.shape.numel}")
+        if start != self.layout.numel:
+            raise ValueError(f"expert {key} has {start} elements on disk, expected {self.layout.numel}")
 
 
 def _read_segment(seg: Segment, dst: torch.Tensor) -> None:

@@ -276,10 +276,14 @@ class QuantizedWeight:
     scales: torch.Tensor
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """`x [t, in] @ w.T → [t, out]` with the kernel of this packing (see module doc)."""
+        """`x [..., in] @ w.T → [..., out]` with the kernel of this packing (see module doc)."""
         if self.packing not in KERNELS:
             return self.linear_dequantized(x)
-        x16 = x.to(torch.bfloat16)
+        rows = x.reshape(-1, x.shape[-1])  # [t, in]: the kernels take 2-D inputs
+        return self._kernel_linear(rows).view(*x.shape[:-1], self.shape[0])
+
+    def _kernel_linear(self, x: torch.Tensor) -> torch.Tensor:
+        x16 = x.to(torch.bfloat16).contiguous()
         if self.packing == "int8-cpu":
             y = torch._weight_int8pack_mm(x16, self.data, self.scales.reshape(-1))
         elif self.packing == "int4-cpu":

@@ -240,7 +240,7 @@ def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch
     return clock
 
 
-def _no_compute(expert: int, view: None) -> None:
+def _no_compute(experts: Sequence[int], slots: list[int]) -> None:
     pass
 
 

@@ -71,9 +71,9 @@ class ExpertRuntime:
         layer: int,
         needed: list[int],
         hidden: torch.Tensor | None,
-        compute: Callable[[int, torch.Tensor], None] | None = None,
+        compute: Callable[[Sequence[int], list[int]], None] | None = None,
     ) -> None:
-        """Acquire `layer`'s experts in turns and `compute(expert, slot view)` each one.
+        """Acquire `layer`'s experts in turns and `compute(experts, slots)` each turn.
 
         The prefetch for the next layer is issued once the last turn is acquired: the step's
         own experts are protected then, so a prefetch can never evict them, and its copies
@@ -82,14 +82,14 @@ class ExpertRuntime:
         turns = chunks(needed, self.cache.capacity)
         try:
             for i, turn in enumerate(turns):
-                views = self.cache.acquire(layer, turn)
+                slots = self.cache.acquire(layer, turn)
                 try:
                     if i == len(turns) - 1 and self.prefetcher is not None:
                         self.prefetcher.after_routing(layer, hidden, needed, self.phase)
                     if compute is not None:
-                        for expert, view in zip(turn, views):
+                        for expert in turn:
                             self.cache.wait(layer, expert)
-                            compute(expert, view)
+                        compute(turn, slots)
                 finally:
                     self.cache.release(layer, turn)
         finally:

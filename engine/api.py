@@ -151,3 +151,10 @@ class GenerationEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the last event
+
+
+def supported_families() -> tuple[str, ...]:
+    """Model types the engine can load: those whose experts use transformers' experts interface."""
+    from engine.moe_layers import interface_families  # imports transformers: only when asked
+
+    return interface_families()

@@ -1,42 +1,47 @@
 """Reading a Hugging Face MoE checkpoint: where it is, which family, which tensors are experts.
 
-Both expert layouts load: per-expert keys as checkpoints are published
-(`...experts.{e}.w1/w3/w2.weight` for Mixtral, `...experts.{e}.gate_proj/up_proj/down_proj.weight`
-for Qwen/DeepSeek/OLMoE) and the fused keys transformers 5 uses in memory
-(`...experts.gate_up_proj [E, 2I, H]`, `...experts.down_proj [E, H, I]`).
+Checkpoint keys are mapped to the model's parameters with the family's own conversion rules
+from transformers (`get_model_conversion_mapping`), so both expert layouts load for every
+family: per-expert keys as checkpoints are published (`...experts.{e}.w1/w3/w2.weight` for
+Mixtral, `...experts.{e}.gate_proj/up_proj/down_proj.weight` for Qwen/DeepSeek/OLMoE, ...)
+and the fused keys transformers 5 holds in memory (`...experts.gate_up_proj [E, ...]`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    apply_renamings,
+    rename_source_key,
+)
 
 from cache.host_store import Segment
 from cache.policy import ExpertKey
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
-
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe")
-
-# checkpoint name → module name for the parts transformers renames on load
-_RENAMES = ((".block_sparse_moe.", ".mlp."),)
-
-_EXPERT_KEY = re.compile(
-    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-    r"(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$"
-)
-_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+from engine.moe_layers import MoELayer, interface_families
 
 
-@dataclass(frozen=True)
-class ExpertTensors:
-    """Per decoder layer: the per-expert or fused tensors of its experts."""
+@dataclass
+class ExpertSources:
+    """One experts module's tensors on disk, per parameter of its `ExpertLayout`."""
 
-    per_expert: dict[int, dict[str, TensorLocation]]  # expert → {"gate"|"up"|"down": loc}
-    fused: dict[str, TensorLocation]  # "gate_up_proj" | "down_proj" → loc
+    fused: dict[str, TensorLocation] = field(default_factory=dict)  # param → [E, ...]
+    # param → expert → [(position among the converter's sources, per-expert tensor)]
+    per_expert: dict[str, dict[int, list[tuple[int, TensorLocation]]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list))
+    )
 
 
 def resolve_model_path(model: str) -> Path:
@@ -67,17 +72,19 @@ def read_config_dict(folder: Path) -> dict:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    families = interface_families()
+    if model_type not in families:
         raise CheckpointError(
-            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or [])}); "
-            f"moe-serve supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or [])}): "
+            f"its experts do not use transformers' fused experts interface; moe-serve supports: "
+            f"{', '.join(families)} (`moe-serve --list-families`)"
         )
-    quantized = config.get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else quantized
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
         raise CheckpointError(
-            f"the checkpoint is published quantized ({method!r}: {json.dumps(quantized)[:120]}); moe-serve does "
-            "not load quantized checkpoints yet. Use the bf16 release with --expert-dtype int8 or int4."
+            f"{folder} holds a quantized checkpoint ({method}); moe-serve loads unquantized "
+            f"(bf16/fp16/fp32) checkpoints only: use the unquantized release with --expert-dtype int8 or int4"
         )
     return config
 
@@ -92,56 +99,87 @@ def checkpoint_digest(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def module_name(checkpoint_name: str) -> str:
-    for old, new in _RENAMES:
-        checkpoint_name = checkpoint_name.replace(old, new)
-    return checkpoint_name
-
-
-def split_checkpoint(folder: Path) -> tuple[dict[str, TensorLocation], dict[int, ExpertTensors]]:
-    """(dense tensors by module name, expert tensors by decoder layer)."""
+def split_checkpoint(
+    folder: Path, model: nn.Module, moe_layers: list[MoELayer]
+) -> tuple[dict[str, TensorLocation], dict[str, ExpertSources]]:
+    """(dense tensors by parameter name, expert tensors by experts module path)."""
+    mapper = _KeyMapper(model)
+    params = {(layer.path, name) for layer in moe_layers for name, _ in layer.layout.parts}
     dense: dict[str, TensorLocation] = {}
-    per_expert: dict[int, dict[int, dict[str, TensorLocation]]] = defaultdict(lambda: defaultdict(dict))
-    fused: dict[int, dict[str, TensorLocation]] = defaultdict(dict)
-    for name, loc in index_checkpoint(folder).items():
-        match = _EXPERT_KEY.match(name)
-        if match is None:
-            dense[module_name(name)] = loc
-            continue
-        layer, expert, part, fused_name = match.groups()
-        if fused_name:
-            fused[int(layer)][fused_name] = loc
+    experts: dict[str, ExpertSources] = defaultdict(ExpertSources)
+    for key, loc in index_checkpoint(folder).items():
+        target, converter, pattern = mapper.map(key)
+        owner, _, param = target.rpartition(".")
+        if (owner, param) not in params:
+            dense[target] = loc
+        elif converter is None:
+            experts[owner].fused[param] = loc
         else:
-            per_expert[int(layer)][int(expert)][_PART[part]] = loc
-    layers = set(per_expert) | set(fused)
-    experts = {
-        layer: ExpertTensors({e: dict(p) for e, p in per_expert[layer].items()}, dict(fused[layer]))
-        for layer in layers
-    }
+            expert = _expert_number(apply_renamings(key, mapper.renamings), pattern)
+            position = list(converter.source_patterns).index(pattern)
+            experts[owner].per_expert[param][expert].append((position, loc))
     return dense, experts
 
 
-def expert_segments(
-    tensors: ExpertTensors, moe_layer: int, num_experts: int
-) -> dict[ExpertKey, list[Segment]]:
-    """Disk segments of each expert in host-buffer order: gate [I,H], up [I,H], down [H,I]."""
-    segments = {}
-    for e in range(num_experts):
-        if e in tensors.per_expert:
-            parts = tensors.per_expert[e]
-            missing = {"gate", "up", "down"} - set(parts)
-            if missing:
+def expert_segments(layer: MoELayer, sources: ExpertSources, moe_layer: int) -> dict[ExpertKey, list[Segment]]:
+    """Disk segments of each expert of `layer`, in the order of its `ExpertLayout`."""
+    segments: dict[ExpertKey, list[Segment]] = {}
+    for e in range(layer.num_experts):
+        expert = []
+        for param, shape in layer.layout.parts:
+            if param in sources.fused:
+                expert.append(Segment.slice_of(sources.fused[param], e))
+                continue
+            parts = sorted(sources.per_expert.get(param, {}).get(e, []), key=lambda p: p[0])
+            if not parts:
+                raise CheckpointError(f"MoE layer {moe_layer} expert {e} lacks its {param} weight")
+            expert.extend(Segment.slice_of(loc) for _, loc in parts)
+            numel = sum(s.numel for s in expert[-len(parts):])
+            if numel != math.prod(shape):
                 raise CheckpointError(
-                    f"MoE layer {moe_layer} expert {e} lacks its {', '.join(sorted(missing))} weight"
+                    f"MoE layer {moe_layer} expert {e}: {param} has {numel} elements on disk, "
+                    f"the config implies {list(shape)}"
                 )
-            segments[(moe_layer, e)] = [Segment.slice_of(parts[p]) for p in ("gate", "up", "down")]
-        elif {"gate_up_proj", "down_proj"} <= set(tensors.fused):
-            gate_up, down = tensors.fused["gate_up_proj"], tensors.fused["down_proj"]
-            segments[(moe_layer, e)] = [
-                Segment.slice_of(gate_up, e, part=0, parts=2),
-                Segment.slice_of(gate_up, e, part=1, parts=2),
-                Segment.slice_of(down, e),
-            ]
-        else:
-            raise CheckpointError(f"MoE layer {moe_layer} has no weights for expert {e}")
+        segments[(moe_layer, e)] = expert
     return segments
+
+
+class _KeyMapper:
+    """Checkpoint key → (parameter name, the converter that merges it, its matched source pattern)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        transforms = get_model_conversion_mapping(model)
+        self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.prefix = getattr(model, "base_model_prefix", None)
+        self.names = dict.fromkeys(name for name, _ in model.named_parameters())
+        self.names.update(dict.fromkeys(name for name, _ in model.named_buffers()))
+
+    def map(self, key: str) -> tuple[str, WeightConverter | None, str | None]:
+        target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.names)
+        if pattern is None:
+            return target, None, None
+        converter = next(c for c in self.converters if pattern in c.source_patterns)
+        _check_byte_contiguous(converter, key)
+        return target, converter, pattern
+
+
+def _check_byte_contiguous(converter: WeightConverter, key: str) -> None:
+    """Per-expert tensors are read straight into the expert's buffer: only merges that stack
+    experts and join whole row blocks (gate rows, then up rows) keep the bytes in order."""
+    ops = list(converter.operations)
+    stacks = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+    joins = all(isinstance(op, Concatenate) and op.dim == 1 for op in ops[1:])
+    if not (stacks and joins):
+        raise CheckpointError(
+            f"{key}: the family merges per-expert tensors with {ops}, which moe-serve cannot read in "
+            f"place; save the checkpoint with fused experts (transformers' in-memory layout)"
+        )
+
+
+def _expert_number(key: str, pattern: str) -> int:
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    match = re.search(regex, key)
+    if match is None:
+        raise CheckpointError(f"cannot find the expert number in {key} (pattern {pattern})")
+    return int(match.group(1))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, Cache, GenerationConfig
 
 from cache.eamc import EAMC
 from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
+from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
@@ -118,7 +119,7 @@ class Engine:
     def _attach_cache_features(self) -> None:
         runtime, config = self.runtime, self.config
         if config.prefetch:
-            routers = [_top_k_of(self.model.model.layers[i].mlp.gate) for i in self.loaded.moe_layers]
+            routers = [None if layer.router is None else router_top_k(layer.router) for layer in self.loaded.moe_layers]
             # CUDA copies are already async on a side stream; disk reads of a bounded RAM tier are not
             background = self.device.type != "cuda" or not self.loaded.host.fully_resident
             limit = PREFETCH_LIMIT_PER_TOP_K * runtime.top_k
@@ -203,7 +204,7 @@ class Engine:
         self.runtime.begin_request(request.request_id)
         try:
             with torch.inference_mode():
-                kv = DynamicCache(config=self.loaded.config)
+                kv = None  # the model makes its family's own cache (sliding window, linear attention, ...)
                 input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]
                 while True:
                     if should_abort():
@@ -211,7 +212,7 @@ class Engine:
                             "", finish_reason="abort", usage=Usage(len(prompt), times.tokens)
                         )
                         return
-                    logits = self._forward(input_ids, kv)  # [V]
+                    logits, kv = self._forward(input_ids, kv)  # [V]
                     self.runtime.phase = "decode"
                     token = sampler.sample(logits)
                     sampler.observe(token)
@@ -240,9 +241,9 @@ class Engine:
             self._eamc_saver.save_if_changed()
             self._eamc_saved_at = time.monotonic()
 
-    def _forward(self, input_ids: torch.Tensor, kv: DynamicCache) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, kv: Cache | None) -> tuple[torch.Tensor, Cache]:
         out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+        return out.logits[0, -1], out.cache
 
     def _step_event(self, token, logits, top_logprobs, detokenizer, stops, ignore_eos) -> GenerationEvent:
         logprobs = ()
@@ -362,11 +363,6 @@ def _eamc_saver(engine: Engine, policy) -> EAMCAutosaver:
     policy.eamc = saved or EAMC(runtime.num_layers, runtime.num_experts, capacity=config.eamc_capacity)
     log.info("EAMC %s: %d entries loaded", path, len(policy.eamc))
     return EAMCAutosaver(path, fingerprint, lambda: policy.eamc)
-
-
-def _top_k_of(gate):
-    """A MoE layer's router as a function hidden [T, H] → top-k expert ids [T, k]."""
-    return lambda hidden: gate(hidden)[2]
 
 
 def _model_max_len(config) -> int:

@@ -16,14 +16,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
 from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
-from cache.host_store import ExpertShape, HostStore
+from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import ExpertKey, make_policy
 from cache.quant import ParamSpec, QuantLayout, pack_expert, plan_layout
 from cache.quant_store import open_quant_store
 from cache.runtime import ExpertRuntime
 from cache.safetensors_index import CheckpointError, TensorLocation
 from cache.stats import CacheStats
-from engine.checkpoint import expert_segments, read_config_dict, split_checkpoint
+from engine.checkpoint import ExpertSources, expert_segments, read_config_dict, split_checkpoint
+from engine.moe_layers import MoELayer, find_moe_layers, top_k_of
 from engine.offloaded_experts import OffloadedExperts
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,11 @@ class OffloadedModel:
     runtime: ExpertRuntime
     host: HostStore
     folder: Path
-    moe_layers: list[int]  # decoder layer index of each MoE layer
-    shape: ExpertShape
+    moe_layers: list[MoELayer]
+    layout: ExpertLayout
     num_experts: int
     top_k: int
-    quant: QuantLayout | None = None  # None: experts in the compute dtype
+    quant: QuantLayout | None = None  # None: experts in the compute dtype, in `layout`
 
 
 def load_offloaded_model(
@@ -73,30 +74,28 @@ def load_offloaded_model(
 ) -> OffloadedModel:
     read_config_dict(folder)  # refuses unsupported architectures with a clear message
     config = AutoConfig.from_pretrained(folder)
-    dense, expert_tensors = split_checkpoint(folder)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     model.eval()
 
-    layers = model.model.layers
-    moe_layers = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+    moe_layers = find_moe_layers(model)
     if not moe_layers:
-        raise CheckpointError("the model has no MoE layers")
-    first = layers[moe_layers[0]].mlp
-    num_experts, two_i, hidden = first.experts.gate_up_proj.shape  # [E, 2I, H]
-    shape = ExpertShape(hidden=hidden, intermediate=two_i // 2)
-    top_k = first.gate.top_k
+        raise CheckpointError(f"{config.model_type}: the model has no MoE layers")
+    layout, num_experts = moe_layers[0].layout, moe_layers[0].num_experts
+    if any((layer.layout, layer.num_experts) != (layout, num_experts) for layer in moe_layers):
+        raise CheckpointError(f"{config.model_type}: MoE layers of different shapes are not supported")
+    top_k = top_k_of(model, moe_layers)
+    dense, expert_sources = split_checkpoint(folder, model, moe_layers)
 
-    sources = _expert_sources(folder, expert_tensors, moe_layers, num_experts)
-    layout = None
+    sources = _expert_sources(folder, expert_sources, moe_layers)
+    quant_layout = None
     if quant is not None:
-        layout, sources = _quantized_sources(sources, shape, dtype, device, quant)
-    host = _build_host_store(sources, layout or shape, torch.uint8 if layout else dtype, device, sizing)
+        quant_layout, sources = _quantized_sources(sources, moe_layers[0], dtype, device, quant)
+    host = _build_host_store(sources, quant_layout or layout, torch.uint8 if quant_layout else dtype, device, sizing)
     cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
-    for moe_index, layer_index in enumerate(moe_layers):
-        mlp = layers[layer_index].mlp
-        mlp.experts = OffloadedExperts(moe_index, shape, mlp.experts.act_fn, runtime, layout)
+    for moe_index, layer in enumerate(moe_layers):
+        OffloadedExperts(moe_index, layer, runtime, cache.backend.slots, quant_layout).install()
 
     _load_dense(model, dense, device, dtype)
     model.to(device)  # the buffers (rotary tables) built on the host at init
@@ -108,9 +107,9 @@ def load_offloaded_model(
     log.info(
         "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert (%s); %s",
         config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20,
-        layout.expert_dtype if layout else str(dtype).removeprefix("torch."), tiers,
+        quant_layout.expert_dtype if quant_layout else str(dtype).removeprefix("torch."), tiers,
     )
-    return OffloadedModel(model, config, runtime, host, folder, moe_layers, shape, num_experts, top_k, layout)
+    return OffloadedModel(model, config, runtime, host, folder, moe_layers, layout, num_experts, top_k, quant_layout)
 
 
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:
@@ -127,44 +126,44 @@ def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, po
 
 
 def _expert_sources(
-    folder: Path, expert_tensors: dict, moe_layers: list[int], num_experts: int
-) -> dict[ExpertKey, list]:
+    folder: Path, expert_sources: dict[str, ExpertSources], moe_layers: list[MoELayer]
+) -> dict[ExpertKey, list[Segment]]:
     sources = {}
-    for moe_index, layer_index in enumerate(moe_layers):
-        if layer_index not in expert_tensors:
-            raise CheckpointError(f"{folder} has no expert weights for decoder layer {layer_index}")
-        sources.update(expert_segments(expert_tensors[layer_index], moe_index, num_experts))
+    for moe_index, layer in enumerate(moe_layers):
+        if layer.path not in expert_sources:
+            raise CheckpointError(f"{folder} has no expert weights for {layer.path}")
+        sources.update(expert_segments(layer, expert_sources[layer.path], moe_index))
     return sources
 
 
 def _quantized_sources(
-    sources: dict[ExpertKey, list], shape: ExpertShape, dtype: torch.dtype, device: torch.device, quant: QuantRequest
-) -> tuple[QuantLayout, dict[ExpertKey, list]]:
+    sources: dict[ExpertKey, list[Segment]], layer: MoELayer, dtype: torch.dtype, device: torch.device, quant: QuantRequest
+) -> tuple[QuantLayout, dict[ExpertKey, list[Segment]]]:
     """The experts quantized (once: the file is reused by later starts) and where each lies in that file."""
-    h, i = shape.hidden, shape.intermediate
-    specs = [ParamSpec("gate_up_proj", (2 * i, h)), ParamSpec("down_proj", (h, i))]
-    layout = plan_layout(specs, quant.expert_dtype, quant.group_size, dtype, device.type)
-    checkpoint = HostStore(sources, shape, torch.float32, capacity=0)  # reads experts from disk only
+    transposed = bool(layer.experts.is_transposed)  # GPT-OSS style `[in, out]` weights
+    specs = [ParamSpec(name, shape, transposed and len(shape) == 2) for name, shape in layer.layout.parts]
+    quant_layout = plan_layout(specs, quant.expert_dtype, quant.group_size, dtype, device.type)
+    checkpoint = HostStore(sources, layer.layout, torch.float32, capacity=0)  # reads experts from disk only
 
     def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
-        flat = torch.empty(shape.numel, dtype=torch.float32)  # gate | up | down
+        flat = torch.empty(layer.layout.numel, dtype=torch.float32)
         checkpoint.read_into(key, flat)
-        pack_expert(layout, {"gate_up_proj": flat[: 2 * i * h].view(2 * i, h), "down_proj": flat[2 * i * h :].view(h, i)}, out)
+        pack_expert(quant_layout, layer.layout.views(flat), out)
 
-    return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, list(sources), pack_one)
+    return quant_layout, open_quant_store(quant.store_path, quant.checkpoint, quant_layout, list(sources), pack_one)
 
 
 def _build_host_store(
-    sources: dict[ExpertKey, list],
-    shape: ExpertShape | QuantLayout,
+    sources: dict[ExpertKey, list[Segment]],
+    layout: ExpertLayout | QuantLayout,
     dtype: torch.dtype,
     device: torch.device,
     sizing: CacheSizing,
 ) -> HostStore:
     if device.type == "cpu":
-        return HostStore(sources, shape, dtype, capacity=0)  # the expert cache holds the RAM tier
-    host_capacity = None if sizing.host_gb is None else max(1, _experts_in(sizing.host_gb, shape.numel * dtype.itemsize))
-    host = HostStore(sources, shape, dtype, host_capacity, pin_memory=True)
+        return HostStore(sources, layout, dtype, capacity=0)  # the expert cache holds the RAM tier
+    host_capacity = None if sizing.host_gb is None else max(1, _experts_in(sizing.host_gb, layout.numel * dtype.itemsize))
+    host = HostStore(sources, layout, dtype, host_capacity, pin_memory=True)
     host.preload()
     return host
 

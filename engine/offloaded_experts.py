@@ -1,68 +1,123 @@
-"""The drop-in replacement for a MoE layer's `mlp.experts` module.
+"""The forward that replaces a family experts module's own when its experts are offloaded.
 
-Same call as transformers 5's fused experts: `experts(hidden [T, H], top_k_index [T, k],
-top_k_weights [T, k]) -> [T, H]`, computed exactly as their eager path does, but each
-expert's weights come from a device cache slot instead of a resident parameter.
+transformers 5's experts modules are called as `experts(hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k]) -> [T, H]`. Here the weights come from expert cache slots instead of
+resident parameters, and the math is the family's own: its layout flags (`is_transposed`,
+`has_gate`, biases), its gate (`_apply_gate`, e.g. GPT-OSS's clamped SwiGLU) and activation,
+as transformers' batched implementation applies them.
+
+At decode (one token) there is no host sync per expert: the step's experts are known on the
+host, small experts are stacked and computed in one batched product, large ones one after
+another on views of their slots (stacking would copy their weights).
+
+Quantized experts (`--expert-dtype int8|int4`) are computed one by one through the same math:
+their weights are `cache.quant.QuantizedWeight`s, which `_linear` multiplies with their kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from cache.host_store import ExpertShape
-from cache.quant import QuantLayout, unpack_expert
+from cache.quant import QuantizedWeight, QuantLayout, unpack_expert
 from cache.runtime import ExpertRuntime
+from engine.moe_layers import MoELayer
+
+# Experts up to this size are stacked (copied) to compute a decode step in one batched
+# product; larger ones are computed on views of their slots, where the copy would cost
+# more than the separate kernels it saves.
+STACK_MAX_BYTES = {"cuda": 32 << 20, "cpu": 256 << 10}
 
 
-class OffloadedExperts(nn.Module):
+class OffloadedExperts:
     def __init__(
-        self,
-        moe_layer: int,
-        shape: ExpertShape,
-        act_fn: Callable[[torch.Tensor], torch.Tensor],
-        runtime: ExpertRuntime,
-        quant: QuantLayout | None = None,
+        self, moe_layer: int, layer: MoELayer, runtime: ExpertRuntime, pool: torch.Tensor, quant: QuantLayout | None = None
     ) -> None:
-        super().__init__()
-        self.quant = quant  # None: slots hold float weights; else quantized bytes in this layout
         self.moe_layer = moe_layer
-        self.shape = shape
-        self.act_fn = act_fn
+        self.module = layer.experts
         self.runtime = runtime
+        self.layout = layer.layout
+        self.pool = pool  # [S, numel]: float weights in `layer.layout`, or uint8 bytes in `quant`'s
+        self.quant = quant
+        self.slot_params = layer.layout.views(pool) if quant is None else {}  # name → [S, *per-expert shape]
+        self.up = "gate_up_proj" if self.module.has_gate else "up_proj"
+        small = layer.layout.numel * pool.element_size() <= STACK_MAX_BYTES.get(pool.device.type, 0)
+        self.stack = quant is None and small  # quantized weights have no batched kernel
 
-    def forward(
-        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def install(self) -> None:
+        """Drop the module's (empty) per-expert parameters and route its calls here."""
+        for name, _ in self.layout.parts:
+            del self.module._parameters[name]
+        self.module.forward = self.forward
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index)
         out = torch.zeros_like(hidden)  # [T, H]
-        if len(rows) == 1:  # decode: each expert's top-k position is known on the host, no sync per expert
-            position = {expert: k for k, expert in enumerate(rows[0])}
 
-            def add(expert: int, flat: torch.Tensor) -> None:
-                k = position[expert]
-                out.add_((self._expert(flat, hidden) * top_k_weights[:, k, None]).to(out.dtype))
-        else:
+        def compute(turn: Sequence[int], slots: Sequence[int]) -> None:
+            if len(rows) == 1:
+                self._decode(hidden, rows[0], top_k_weights, dict(zip(turn, slots)), out)
+            else:
+                self._prefill(hidden, top_k_index, top_k_weights, turn, slots, out)
 
-            def add(expert: int, flat: torch.Tensor) -> None:
-                token_idx, k_pos = torch.where(top_k_index == expert)
-                y = self._expert(flat, hidden[token_idx]) * top_k_weights[token_idx, k_pos, None]
-                out.index_add_(0, token_idx, y.to(out.dtype))
-
-        self.runtime.run_step(self.moe_layer, needed, hidden, add)
+        self.runtime.run_step(self.moe_layer, needed, hidden, compute)
         return out
 
-    def _expert(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One expert (`flat`: its slot, gate | up | down) on tokens `x` [t, H] → [t, H], as transformers' eager path."""
-        if self.quant is not None:
-            weights = unpack_expert(self.quant, flat)
-            gate, up = weights["gate_up_proj"].linear(x).chunk(2, dim=-1)
-            return weights["down_proj"].linear(self.act_fn(gate) * up)
-        h, i = self.shape.hidden, self.shape.intermediate
-        gate_up = flat[: 2 * i * h].view(2 * i, h)  # [2I, H]
-        down = flat[2 * i * h :].view(h, i)  # [H, I]
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, down)
+    def _decode(
+        self, hidden: torch.Tensor, row: list[int], weights: torch.Tensor, slot_of: dict[int, int], out: torch.Tensor
+    ) -> None:
+        """One token: `row` its k experts (host), `weights` [1, k], `slot_of` the turn's slots."""
+        positions = [k for k, expert in enumerate(row) if expert in slot_of]
+        if self.stack and len(positions) == len(row):
+            slots = [slot_of[e] for e in row]
+            params = {name: torch.stack([p[s] for s in slots]) for name, p in self.slot_params.items()}  # [k, ...]
+            y = self._experts(hidden.expand(len(row), 1, -1), params)[:, 0]  # [k, H]
+            out.add_((y * weights[0, :, None]).sum(0, keepdim=True).to(out.dtype))
+            return
+        for k in positions:
+            y = self._experts(hidden.unsqueeze(0), self._one_expert(slot_of[row[k]]))[0]  # [1, H]
+            out.add_((y * weights[:, k, None]).to(out.dtype))
+
+    def _prefill(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        weights: torch.Tensor,
+        turn: Sequence[int],
+        slots: Sequence[int],
+        out: torch.Tensor,
+    ) -> None:
+        """Many tokens: expert by expert in ascending order, as transformers' eager path adds them."""
+        for expert, slot in zip(turn, slots):
+            token_idx, k_pos = torch.where(top_k_index == expert)
+            y = self._experts(hidden[token_idx].unsqueeze(0), self._one_expert(slot))[0]  # [t, H]
+            out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+
+    def _one_expert(self, slot: int) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """The expert in `slot` as `_experts` takes it for n = 1: views `[1, ...]`, quantized weights as they are."""
+        if self.quant is None:
+            return {name: p[slot].unsqueeze(0) for name, p in self.slot_params.items()}
+        views = unpack_expert(self.quant, self.pool[slot])
+        return {name: v if isinstance(v, QuantizedWeight) else v.unsqueeze(0) for name, v in views.items()}
+
+    def _experts(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """n experts on their tokens: `x` [n, t, H], `params` name → [n, ...] → [n, t, H]."""
+        module = self.module
+        h = _linear(x, params[self.up], params.get(f"{self.up}_bias"), module.is_transposed)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        y = _linear(h, params["down_proj"], params.get("down_proj_bias"), module.is_transposed)
+        return module.post_expert_norm(y) if module.has_post_expert_norm else y
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor:
+    """x [n, t, in] by each expert's weight ([n, out, in], or [n, in, out] when `transposed`), or by one
+    quantized expert's weight (n = 1; quantized as [out, in] whatever the family stores)."""
+    if isinstance(weight, QuantizedWeight):
+        y = weight.linear(x)
+    else:
+        y = torch.matmul(x, weight if transposed else weight.transpose(-1, -2))
+    return y if bias is None else y + bias.unsqueeze(-2)
+

@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,  # only flags actually given reach the namespace
     )
     parser.add_argument("--version", action="version", version=f"moe-serve {VERSION}")
+    parser.add_argument("--list-families", action=_ListFamilies, nargs=0,
+                        help="print the model types (config.json `model_type`) moe-serve can load, and exit")
     parser.add_argument("--config", metavar="FILE", help=f"YAML file of settings, keys as the flag names "
                         f"with underscores (see configs/) (env {CONFIG_ENV})")
     for flag in FLAGS:
@@ -183,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag.name, type=flag.kind, choices=flag.choices, metavar=flag.metavar,
                                 help=help_text)
     return parser
+
+
+class _ListFamilies(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from engine.api import supported_families
+
+        print("\n".join(supported_families()))
+        parser.exit()
 
 
 def load_config(

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from cache.expert_cache import ExpertCache, SlotBackend
-from cache.host_store import ExpertShape, HostStore, Segment
+from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import LRUPolicy
 from cache.safetensors_index import index_checkpoint
 from cache.stats import CacheStats
@@ -46,7 +46,7 @@ def constant_experts(tmp_path):
 
 
 def make_cache(sources, ram_experts: int, slots: int = 4) -> tuple[ExpertCache, HostStore]:
-    store = HostStore(sources, ExpertShape(H, INTER), torch.float32, capacity=ram_experts)
+    store = HostStore(sources, ExpertLayout.gated(H, INTER), torch.float32, capacity=ram_experts)
     policy = LRUPolicy(L, E)
     policy.on_lookahead(1, list(range(E)))  # layer-1 experts are guessed: prefetches displace layer-0 ones
     return ExpertCache(slots, policy, CacheStats(L), SlotBackend(store, slots, torch.device("cpu"))), store
@@ -81,7 +81,7 @@ def test_a_prefetch_cannot_recycle_the_buffer_a_demand_load_is_copying(constant_
     prefetch = threading.Thread(target=cache.prefetch, args=((1, 3),))
     prefetch.start()
     assert in_gap.wait(5)
-    [view] = cache.acquire(0, [7])
+    [view] = [cache.backend.view(slot) for slot in cache.acquire(0, [7])]
     cache.wait(0, 7)
     prefetch.join(5)
     assert cache.stats.totals()["prefetches"] == 1  # the race really ran
@@ -127,7 +127,7 @@ def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(consta
     while time.monotonic() < stop:
         layer = rng.randrange(L)
         experts = sorted(rng.sample(range(E), 2))
-        views = cache.acquire(layer, experts)
+        views = [cache.backend.view(slot) for slot in cache.acquire(layer, experts)]
         for e, view in zip(experts, views):
             cache.wait(layer, e)
             if not holds_only(view, (layer, e)):
@@ -147,7 +147,7 @@ class DoneEvent:
 
 
 def test_a_buffer_read_while_every_other_is_held_is_kept_and_leaves_no_in_flight_entry(constant_experts):
-    store = HostStore(constant_experts, ExpertShape(H, INTER), torch.float32, capacity=1)
+    store = HostStore(constant_experts, ExpertLayout.gated(H, INTER), torch.float32, capacity=1)
     with store.hold((0, 1)):
         with store.hold((0, 2)) as second:  # over the budget of one: the held one cannot go
             assert holds_only(second, (0, 2))
@@ -162,6 +162,6 @@ def test_a_buffer_read_while_every_other_is_held_is_kept_and_leaves_no_in_flight
 
 
 def test_a_copy_out_of_a_buffer_that_is_not_held_is_refused(constant_experts):
-    store = HostStore(constant_experts, ExpertShape(H, INTER), torch.float32, capacity=2)
+    store = HostStore(constant_experts, ExpertLayout.gated(H, INTER), torch.float32, capacity=2)
     with pytest.raises(RuntimeError, match="not held"):
         store.record_copy(store.get((0, 1)), DoneEvent())

@@ -40,6 +40,16 @@ def test_version():
     assert "with lru or lfu the EAMC and its file are off" in " ".join(run_cli("--help").stdout.split())
 
 
+def test_list_families_prints_what_the_installed_transformers_marks():
+    result = run_cli("--list-families")
+    assert result.returncode == 0, result.stderr
+    families = result.stdout.split()
+    assert families == sorted(families) and len(families) > 20
+    tested = {"mixtral", "deepseek_v3", "gpt_oss", "qwen3_next", "glm4_moe", "phimoe", "jamba"}
+    assert tested <= set(families)
+    assert "llama" not in families and "qwen3_moe_vision" not in families  # dense, and not a causal LM
+
+
 def test_help_does_not_load_the_engine():
     code = "import sys; from server.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
            "assert 'torch' not in sys.modules, 'torch imported'"

@@ -3,11 +3,13 @@ for every supported family, both checkpoint layouts, and cache sizes from one sl
 experts; small caches really evict."""
 
 import pytest
+import torch
 
+import engine.offloaded_experts as offloaded_experts
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
-from tests.fixtures.models import FAMILIES, LAYOUTS, build_checkpoint, reference_greedy
+from tests.fixtures.models import FAMILIES, LAYOUTS, MORE_FAMILIES, build_checkpoint, reference_greedy
 
 NEW_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
@@ -15,8 +17,8 @@ NUM_LAYERS = 3
 NUM_EXPERTS = 8
 
 
-def moe_layers(family: str) -> int:
-    return NUM_LAYERS - 1 if family.startswith("deepseek") else NUM_LAYERS  # first_k_dense_replace=1
+def moe_layers(engine: Engine) -> int:
+    return engine.runtime.num_layers  # fewer than NUM_LAYERS where leading layers are dense
 
 
 def greedy(engine: Engine, prompt_ids: list[int]) -> list[int]:
@@ -37,13 +39,21 @@ def checkpoint(request, tmp_path_factory):
     return family, folder
 
 
-def test_greedy_tokens_equal_transformers_at_every_cache_size(checkpoint):
-    family, folder = checkpoint
-    total = moe_layers(family) * NUM_EXPERTS
-    engines = {}
-    for slots in (1, 2, total // 4, total):
+def load_engines(folder, sizes) -> dict[int, Engine]:
+    """One engine per cache size; `sizes` maps the number of MoE layers to the sizes."""
+    first = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", expert_cache_experts=1))
+    total = moe_layers(first) * NUM_EXPERTS
+    engines = {1: first}
+    for slots in sizes(total):
         config = EngineConfig(model=str(folder), device="cpu", policy="lru", expert_cache_experts=slots)
         engines[slots] = Engine.load(config)
+    return engines
+
+
+def test_greedy_tokens_equal_transformers_at_every_cache_size(checkpoint):
+    family, folder = checkpoint
+    engines = load_engines(folder, lambda total: (2, total // 4, total))
+    total = max(engines)
     prompt_ids = engines[total].encode(PROMPT)
     expected = reference_greedy(folder, prompt_ids, NEW_TOKENS)
     assert len(set(expected)) > 1  # a degenerate model would prove little
@@ -82,3 +92,63 @@ def test_policy_and_prefetch_change_speed_never_tokens(family, tmp_path):
                 assert (counters["prefetches"] > 0) == prefetch
     reference = outputs["lru", False]
     assert all(tokens == reference for tokens in outputs.values())
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_families_through_the_experts_interface(family, tmp_path):
+    """Families the six-family code never named: biases, transposed and interleaved weights
+    (gpt_oss), linear attention and its cache (qwen3_next, qwen3_5_moe, minimax), mamba (jamba),
+    dense leading layers and shared experts, other routers and checkpoint key names."""
+    folder = build_checkpoint(family, tmp_path / family, num_layers=NUM_LAYERS)
+    engines = load_engines(folder, lambda total: (total // 4, total))
+    prompt_ids = engines[1].encode(PROMPT)
+    expected = reference_greedy(folder, prompt_ids, NEW_TOKENS)
+    assert len(set(expected)) > 1
+    for slots, engine in engines.items():
+        assert greedy(engine, prompt_ids) == expected, f"{family}, cache of {slots} experts"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_decode_computes_experts_stacked_or_one_by_one_alike(family, tmp_path, monkeypatch):
+    """Small experts are stacked into one batched product at decode, large ones computed on
+    views of their slots; both give transformers' tokens (here forced both ways)."""
+    folder = build_checkpoint(family, tmp_path / family, num_layers=NUM_LAYERS)
+    calls = []
+    original = offloaded_experts.OffloadedExperts._experts
+
+    def counting(self, x, params):
+        calls.append(x.shape[0])  # experts computed together
+        return original(self, x, params)
+
+    monkeypatch.setattr(offloaded_experts.OffloadedExperts, "_experts", counting)
+    tokens = {}
+    for name, limit in (("stacked", 1 << 30), ("one by one", 0)):
+        monkeypatch.setitem(offloaded_experts.STACK_MAX_BYTES, "cpu", limit)
+        engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+        prompt_ids = engine.encode(PROMPT)
+        calls.clear()
+        tokens[name] = greedy(engine, prompt_ids)
+        decode_calls = calls[-engine.runtime.num_layers :]  # the last decode step
+        assert set(decode_calls) == ({engine.runtime.top_k} if name == "stacked" else {1}), name
+    assert tokens["stacked"] == tokens["one by one"] == reference_greedy(folder, prompt_ids, NEW_TOKENS)
+
+
+def test_one_host_sync_per_moe_layer_at_decode(tmp_path, monkeypatch):
+    """A decode step reads the routing once per MoE layer and never per expert: no `tolist`,
+    `item` or `nonzero` in the expert computation."""
+    folder = build_checkpoint("qwen3_moe", tmp_path / "m", num_layers=NUM_LAYERS)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+    prompt_ids = engine.encode(PROMPT)
+    syncs = []  # (prefetch's look-ahead reads its guess once more per layer)
+    for name in ("tolist", "item", "nonzero"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (syncs.append(_n), _o(self, *a, **k))[1])
+    offloaded = engine.loaded.moe_layers[0].experts.forward.__self__
+    hidden = torch.randn(1, 32)
+    top_k_index = torch.tensor([[3, 5]])
+    syncs.clear()
+    engine.runtime.phase = "decode"
+    with torch.inference_mode():
+        offloaded.forward(hidden, top_k_index, torch.tensor([[0.6, 0.4]]))
+    assert syncs == ["tolist"]
+    assert prompt_ids  # the engine was usable before the patch

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from cache.expert_cache import DryRunBackend, ExpertCache, SlotBackend
-from cache.host_store import ExpertShape, HostStore, Segment
+from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import LFUPolicy, LRUPolicy
 from cache.safetensors_index import CheckpointError, index_checkpoint
 from cache.stats import CacheStats
@@ -120,7 +120,7 @@ def sources_for(folder, num_experts, fused):
 @pytest.mark.parametrize("capacity", [1, None])
 def test_host_store_returns_each_expert_as_one_contiguous_buffer(tmp_path, fused, capacity):
     gate_up, down = write_experts(tmp_path / "m.safetensors", fused=fused, dtype=torch.bfloat16)
-    shape = ExpertShape(hidden=6, intermediate=5)
+    shape = ExpertLayout.gated(6, 5)
     store = HostStore(sources_for(tmp_path, 4, fused), shape, torch.float32, capacity=capacity)
     store.preload()
     for e in [0, 3, 1, 3]:
@@ -134,16 +134,16 @@ def test_host_store_returns_each_expert_as_one_contiguous_buffer(tmp_path, fused
 
 def test_slot_backend_copies_host_buffers_into_slots(tmp_path):
     write_experts(tmp_path / "m.safetensors")
-    store = HostStore(sources_for(tmp_path, 4, False), ExpertShape(6, 5), torch.float32)
+    store = HostStore(sources_for(tmp_path, 4, False), ExpertLayout.gated(6, 5), torch.float32)
     cache = ExpertCache(2, LRUPolicy(1, 4), CacheStats(1), SlotBackend(store, 2, torch.device("cpu")))
-    views = cache.acquire(0, [2, 3])
+    views = [cache.backend.view(slot) for slot in cache.acquire(0, [2, 3])]
     assert torch.equal(views[0], store.get((0, 2)))
     assert torch.equal(views[1], store.get((0, 3)))
 
 
 def test_a_held_host_buffer_is_not_recycled_until_released(tmp_path):
     write_experts(tmp_path / "m.safetensors")
-    store = HostStore(sources_for(tmp_path, 4, False), ExpertShape(6, 5), torch.float32, capacity=1)
+    store = HostStore(sources_for(tmp_path, 4, False), ExpertLayout.gated(6, 5), torch.float32, capacity=1)
     with store.hold((0, 1)) as held:
         expected = held.clone()
         other = store.get((0, 2))  # the budget of one is taken by the held buffer: a second one
