@@ -2,11 +2,15 @@
 
     python -m bench.engine_bench tpot [--device cpu] [--tokens 64] [--rounds 3]
     python -m bench.engine_bench rss  [--host-cache-gb 0.25]
+    python -m bench.engine_bench server [--tokens 64] [--rounds 3]
 
 `tpot`: time per output token of our engine vs transformers `generate` on the same model
 with all experts resident, then our engine with a cache of 25% of the experts (TPOT,
 hits/misses and bytes moved per token). `rss`: peak RSS of a process that loads a
 checkpoint bigger than `--host-cache-gb` and generates, vs one that keeps all experts in RAM.
+`server`: the same model with all experts cached through a real `moe-serve` process (streamed
+`/v1/completions`, TTFT and TPOT from the SSE chunks' arrival), against the engine called
+directly and transformers `generate`, interleaved round by round (CPU).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
+from cache.stats import CacheStats
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -45,26 +52,58 @@ def build_model(
     return folder
 
 
+@dataclass(frozen=True)
+class EngineRun:
+    ttft_s: float
+    tpot_s: float
+    decode_counters: dict[str, int]  # the expert cache's counters over the decode steps (prefill excluded)
+    decode_steps: int
+
+
+def engine_run(engine: Engine, prompt: list[int], tokens: int) -> EngineRun:
+    """One greedy request of `tokens` tokens: its times, and what the cache did after the prefill."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    before = None
+    for _ in engine.generate(GenerationRequest("bench", prompt, params)):
+        before = before or engine.cache_counters()  # at the first token: the prefill is done
+    after = engine.cache_counters()
+    t = engine.last_times
+    counters = {name: after[name] - before[name] for name in CacheStats.COUNTERS}
+    return EngineRun(t.first_token - t.start, (t.end - t.first_token) / (t.tokens - 1), counters, t.tokens - 1)
+
+
 def engine_tpot(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(time to first token, time per output token after it) in seconds."""
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for _ in engine.generate(GenerationRequest("bench", prompt, params)):
+    run = engine_run(engine, prompt, tokens)
+    return run.ttft_s, run.tpot_s
+
+
+class TokenClock(BaseStreamer):
+    """Marks the time `generate` hands over the prompt and then each new token."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def put(self, value) -> None:
+        self.marks.append(time.perf_counter())
+
+    def end(self) -> None:
         pass
-    t = engine.last_times
-    return t.first_token - t.start, (t.end - t.first_token) / (t.tokens - 1)
 
 
-def transformers_tpot(model, prompt: list[int], tokens: int) -> tuple[float, float]:
-    ids = torch.tensor([prompt], device=model.device)
+def transformers_tpot(model, prompt: list[int], tokens: int, device=None) -> tuple[float, float]:
+    """(time to first token, time per output token after it) in seconds, of one `generate` call.
+
+    `device`: where the prompt goes (default `model.device`, which is `meta` when accelerate
+    offloads the first weights to disk)."""
+    ids = torch.tensor([prompt], device=device or model.device)
+    clock = TokenClock()
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, **kwargs)
-        total = time.perf_counter() - start
-    return ttft, (total - ttft) / (tokens - 1)
+        model.generate(ids, max_new_tokens=tokens, streamer=clock, **kwargs)
+    first, last = clock.marks[1], clock.marks[-1]  # marks[0]: the prompt, before the prefill
+    return first - start, (last - first) / (tokens - 1)
 
 
 def run_tpot(args: argparse.Namespace) -> dict:
@@ -89,7 +128,7 @@ def run_tpot(args: argparse.Namespace) -> dict:
             samples["ours_25pct"].append(engine_tpot(ours_quarter, prompt, args.tokens))
         after = ours_quarter.cache_counters()
         per_run = {k: (after[k] - before[k]) for k in ("hits", "misses", "bytes_transferred")}
-    result = {name: _median_ms(values) for name, values in samples.items()}
+    result = {name: median_ms(values) for name, values in samples.items()}
     result["tpot_ratio_ours_over_transformers"] = (
         result["ours_all"]["tpot_ms"] / result["transformers"]["tpot_ms"]
     )
@@ -103,7 +142,53 @@ def run_tpot(args: argparse.Namespace) -> dict:
     return result
 
 
-def _median_ms(values: list[tuple[float, float]]) -> dict:
+def server_tpot(server, model: str, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """TTFT and TPOT (s) of greedy completions as a client sees them: the whole time of a
+    one-token request, then of a `tokens` one (a random model's first tokens may be bytes of
+    one character, so the first streamed chunk can come tokens late: chunks are not timed)."""
+
+    def complete(max_tokens: int) -> float:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        start = time.perf_counter()
+        with server.http() as http:
+            response = http.post("/v1/completions", json=body, timeout=600)
+        response.raise_for_status()
+        assert response.json()["usage"]["completion_tokens"] == max_tokens
+        return time.perf_counter() - start
+
+    first = complete(1)
+    return first, (complete(tokens) - first) / (tokens - 1)
+
+
+def run_server(args: argparse.Namespace) -> dict:
+    from server.testing import RemoteServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
+        flags = ["--model", str(folder), "--device", "cpu", "--policy", "lru", "--no-prefetch"]
+        engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        prompt = engine.encode(PROMPT)
+        samples: dict[str, list[tuple[float, float]]] = {"server": [], "engine": [], "transformers": []}
+        with RemoteServer(flags, ready_timeout=600) as server:
+            model = server.openai().models.list().data[0].id
+            server_tpot(server, model, prompt, 4)  # warm-up
+            engine_tpot(engine, prompt, 4)
+            transformers_tpot(reference, prompt, 4)
+            for _ in range(args.rounds):  # interleaved, so machine noise hits all alike
+                samples["server"].append(server_tpot(server, model, prompt, args.tokens))
+                samples["engine"].append(engine_tpot(engine, prompt, args.tokens))
+                samples["transformers"].append(transformers_tpot(reference, prompt, args.tokens))
+    result = {name: median_ms(values) for name, values in samples.items()}
+    result["tpot_server_over_transformers"] = result["server"]["tpot_ms"] / result["transformers"]["tpot_ms"]
+    result["tpot_server_over_engine"] = result["server"]["tpot_ms"] / result["engine"]["tpot_ms"]
+    result["ttft_server_minus_engine_ms"] = result["server"]["ttft_ms"] - result["engine"]["ttft_ms"]
+    result["setup"] = {"model": "Mixtral-shaped, H=256, I=512, 8 layers x 8 experts top-2, fp32, all cached",
+                       "prompt_tokens": len(prompt), "new_tokens": args.tokens, "rounds": args.rounds}
+    return result
+
+
+def median_ms(values: list[tuple[float, float]]) -> dict:
     return {
         "ttft_ms": 1000 * statistics.median(v[0] for v in values),
         "tpot_ms": 1000 * statistics.median(v[1] for v in values),
@@ -163,14 +248,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["tpot", "rss"])
+    parser.add_argument("what", choices=["tpot", "rss", "server"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--host-cache-gb", type=float, default=0.25)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(json.dumps(run_tpot(args) if args.what == "tpot" else run_rss(args), indent=2))
+    run = {"tpot": run_tpot, "rss": run_rss, "server": run_server}[args.what]
+    print(json.dumps(run(args), indent=2))
 
 
 if __name__ == "__main__":

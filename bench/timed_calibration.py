@@ -83,12 +83,12 @@ class MeasuredOrderRuntime(ExpertRuntime):
     def note_routing(self, layer, needed, tokens, counts) -> None:
         self.policy.on_routing(layer, needed, tokens, self.phase, counts)
 
-    def run_step(self, layer, needed, hidden, compute=None) -> None:
+    def run_step(self, layer, needed, hidden, compute=None, compute_on_host=None) -> None:
         prefetcher, self.prefetcher = self.prefetcher, None
         if prefetcher is not None:
             prefetcher.after_routing(layer, hidden, needed, self.phase)
         try:
-            super().run_step(layer, needed, hidden, compute)
+            super().run_step(layer, needed, hidden, compute, compute_on_host)
         finally:
             self.prefetcher = prefetcher
 

@@ -111,13 +111,25 @@ class Prefetcher:
             self._thread = threading.Thread(target=self._work, name="expert-prefetch", daemon=True)
             self._thread.start()
 
-    def after_routing(self, layer: int, hidden: torch.Tensor | None, needed: list[int], phase: str) -> None:
+    def lookahead(self, layer: int, hidden: torch.Tensor | None, phase: str) -> torch.Tensor | None:
+        """Layer `layer + 1`'s router applied to `layer`'s input (decode only): the expert ids it
+        would pick, still on the device (the caller reads them with its own routing, one sync)."""
+        if phase != "decode" or layer + 1 >= len(self.routers) or self.routers[layer + 1] is None:
+            return None
+        return self.routers[layer + 1](hidden)
+
+    def after_routing(
+        self, layer: int, hidden: torch.Tensor | None, needed: list[int], phase: str, guess: list[int] | None = None
+    ) -> None:
+        """`guess`: the look-ahead's expert ids for `layer + 1` if the caller already read them."""
         self._score_guesses(layer, needed)
         if self.cost is not None and self.cost.measure_overlap:
             self._time_layer(phase)
         guesses: dict[ExpertKey, float] = {}  # key → its source's recent accuracy at that layer
-        if phase == "decode" and layer + 1 < len(self.routers) and self.routers[layer + 1] is not None:
-            guess = sorted(set(self.routers[layer + 1](hidden).flatten().tolist()))
+        if guess is None and (ids := self.lookahead(layer, hidden, phase)) is not None:
+            guess = ids.flatten().tolist()
+        if guess is not None:
+            guess = sorted(set(guess))
             self._guesses["lookahead"] = (layer + 1, set(guess))
             self.cache.policy.on_lookahead(layer + 1, guess)  # so the cache admits them
             chance = self.accuracy["lookahead"].of(layer + 1)

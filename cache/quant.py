@@ -308,6 +308,11 @@ class QuantizedWeight:
         raise ValueError(f"{self.packing} weights are read by their kernel only")
 
 
+def runs_on_cpu(layout: QuantLayout) -> bool:
+    """Whether the host cores can compute experts in `layout` (tinygemm's int4 layout is CUDA's only)."""
+    return all(t.packing != "int4-cuda" for t in layout.tensors)
+
+
 def unpack_expert(layout: QuantLayout, buffer: torch.Tensor) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Views into `buffer` (uint8 [layout.nbytes], any device): raw tensors, or `QuantizedWeight`s."""
     views: dict[str, torch.Tensor | QuantizedWeight] = {}

@@ -34,6 +34,7 @@ import torch
 
 import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
 from cache.expert_cache import DryRunBackend, ExpertCache
+from cache.miss_planner import MissCosts, MissPlanner
 from cache.policy import POLICIES, ExpertKey, Policy, first_unprotected, make_policy
 from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
 from cache.runtime import ExpertRuntime, chunks
@@ -222,6 +223,7 @@ def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch
     link = getattr(cache.backend, "link", None)
     clock = DecodeClock()
     wait_only = None if link is None else _no_compute  # with a link, `run_step` waits for each copy
+    on_host = _host_executor(runtime, link)
     for event, following in _with_next(steps):
         if event[0] is STEP:
             _, phase, layer, experts, tokens, counts = event
@@ -230,7 +232,7 @@ def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch
             if lookahead is not None:
                 lookahead.expect(following)
             runtime.note_routing(layer, experts, tokens, counts)
-            runtime.run_step(layer, experts, None, wait_only)
+            runtime.run_step(layer, experts, None, wait_only, on_host)
             clock.step(link, phase, layer, header.num_layers - 1)
         elif event[0] is START:
             runtime.begin_request(event[1])
@@ -242,6 +244,17 @@ def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch
 
 def _no_compute(experts: Sequence[int], slots: list[int]) -> None:
     pass
+
+
+def _host_executor(runtime: ExpertRuntime, link: Link | None):
+    """With `cpu_gbps`, plan misses between the link and the host cores as the engine does."""
+    if link is None or link.spec.cpu_gbps <= 0:
+        return None
+    costs = MissCosts(link.spec.copy_ms(link.spec.expert_bytes), link.spec.host_ms(link.spec.expert_bytes))
+    if not costs.gains():
+        return None
+    runtime.planner = MissPlanner(costs)
+    return lambda expert, buffer: link.compute_on_host(costs.host_ms)
 
 
 def _with_next(events: Iterable) -> Iterator[tuple]:
@@ -288,14 +301,14 @@ def _timing(link: Link, clock: DecodeClock, result: dict) -> dict:
         "link_gb_per_decode_token": round(link.spec.expert_bytes * result["decode_transfers"] / tokens / 1e9, 4),
         "link": {"expert_bytes": link.spec.expert_bytes, "link_gbps": link.spec.link_gbps,
                  "compute_ms": link.spec.compute_ms, "token_ms": link.spec.token_ms,
-                 "chunk_bytes": link.spec.chunk_bytes},
+                 "chunk_bytes": link.spec.chunk_bytes, "cpu_gbps": link.spec.cpu_gbps},
     }
 
 
 def summarize(name: str, capacity: int, header: TraceHeader, num_requests: int, stats: dict) -> dict:
     pre, dec = stats["prefill"].totals(), stats["decode"].totals()
     decode_accesses = dec["hits"] + dec["misses"]
-    decode_transfers = dec["misses"] + dec["prefetches"]
+    decode_transfers = dec["misses"] - dec["cpu_computed"] + dec["prefetches"]
     transfers = decode_transfers + pre["misses"] + pre["prefetches"]
     total = header.num_layers * header.num_experts
     return {
@@ -305,6 +318,7 @@ def summarize(name: str, capacity: int, header: TraceHeader, num_requests: int, 
         "requests": num_requests,
         "decode_accesses": decode_accesses,
         "decode_misses": dec["misses"],
+        "decode_cpu_computed": dec["cpu_computed"],
         "decode_miss_rate": _ratio(dec["misses"], decode_accesses),
         "prefill_accesses": pre["hits"] + pre["misses"],
         "prefill_misses": pre["misses"],
@@ -493,6 +507,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="one MoE layer of one decode token with its experts resident")
     timed.add_argument("--token-ms", type=float, default=LinkSpec.token_ms, help="per token outside the MoE layers")
     timed.add_argument("--chunk-mb", type=float, default=0.0, help="copy granularity (0: whole experts)")
+    timed.add_argument("--cpu-gbps", type=float, default=0.0,
+                       help="compute some misses on the host cores, which read expert weights at this GB/s "
+                            "(the engine's --cpu-experts; 0: off)")
     timed.add_argument("--no-prefetch-gate", action="store_true",
                        help="issue every guess, however inaccurate (the engine before the cost gate)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -506,7 +523,7 @@ def _parser() -> argparse.ArgumentParser:
 def link_spec(args: argparse.Namespace) -> LinkSpec:
     return LinkSpec(
         expert_bytes=round(args.expert_mb * 1e6), link_gbps=args.link_gbps, compute_ms=args.compute_ms,
-        token_ms=args.token_ms, chunk_bytes=round(args.chunk_mb * 1e6),
+        token_ms=args.token_ms, chunk_bytes=round(args.chunk_mb * 1e6), cpu_gbps=args.cpu_gbps,
     )
 
 

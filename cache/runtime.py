@@ -28,6 +28,8 @@ class ExpertRuntime:
         self.phase: Phase = "prefill"
         self.recorder = None  # cache.trace.TraceWriter when --record-trace is set
         self.prefetcher = None  # cache.prefetcher.Prefetcher when prefetch is on
+        self.planner = None  # cache.miss_planner.MissPlanner when misses may be computed on the host
+        self._lookahead: tuple[int, list[int]] | None = None  # (layer, ids) read with that layer's routing
 
     @property
     def policy(self) -> Policy:
@@ -48,10 +50,20 @@ class ExpertRuntime:
         if self.recorder is not None:
             self.recorder.end_request()
 
-    def on_routing(self, layer: int, top_k_index: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    def on_routing(
+        self, layer: int, top_k_index: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> tuple[list[int], list[list[int]]]:
         """Record one router decision (`top_k_index` [T, k]); return the sorted experts needed
-        and the index rows, on the host."""
-        index_rows = top_k_index.tolist()  # one device sync per layer: the loads depend on it
+        and the index rows, on the host. With prefetch, the next layer's look-ahead guess from
+        `hidden` is read in the same device sync, the only one of the layer."""
+        lookahead = self.prefetcher.lookahead(layer, hidden, self.phase) if self.prefetcher is not None else None
+        if lookahead is None:
+            index_rows = top_k_index.tolist()
+        else:
+            ids = torch.cat([top_k_index.flatten(), lookahead.flatten().to(top_k_index.dtype)]).tolist()
+            tokens, k = top_k_index.shape
+            index_rows = [ids[t * k : (t + 1) * k] for t in range(tokens)]
+            self._lookahead = (layer, ids[tokens * k :])
         counts = Counter(e for row in index_rows for e in row)
         needed = sorted(counts)
         self.note_routing(layer, needed, len(index_rows), [counts[e] for e in needed])
@@ -72,20 +84,26 @@ class ExpertRuntime:
         needed: list[int],
         hidden: torch.Tensor | None,
         compute: Callable[[Sequence[int], list[int]], None] | None = None,
+        compute_on_host: Callable[[int, object], None] | None = None,
     ) -> None:
         """Acquire `layer`'s experts in turns and `compute(experts, slots)` each turn.
 
         The prefetch for the next layer is issued once the last turn is acquired: the step's
         own experts are protected then, so a prefetch can never evict them, and its copies
-        overlap this layer's compute. The engine and the trace replay both run this.
+        overlap this layer's compute. With a planner, some misses of a decode step are not
+        copied but computed from their host buffers (`compute_on_host(expert, buffer)`), while
+        the first turn's copies are on the link. The engine and the trace replay both run this.
         """
-        turns = chunks(needed, self.cache.capacity)
+        on_host = self._misses_for_host(layer, needed) if compute_on_host is not None else []
+        turns = chunks([e for e in needed if e not in on_host], self.cache.capacity)
         try:
             for i, turn in enumerate(turns):
                 slots = self.cache.acquire(layer, turn)
                 try:
                     if i == len(turns) - 1 and self.prefetcher is not None:
-                        self.prefetcher.after_routing(layer, hidden, needed, self.phase)
+                        self.prefetcher.after_routing(layer, hidden, needed, self.phase, self._lookahead_for(layer))
+                    if i == 0:
+                        self._compute_on_host(layer, on_host, compute_on_host)
                     if compute is not None:
                         for expert in turn:
                             self.cache.wait(layer, expert)
@@ -94,6 +112,26 @@ class ExpertRuntime:
                     self.cache.release(layer, turn)
         finally:
             self.cache.unprotect(layer, needed)  # what `note_routing` protected, also on an error
+
+
+    def _lookahead_for(self, layer: int) -> list[int] | None:
+        if self._lookahead is None or self._lookahead[0] != layer:
+            return None
+        guess, self._lookahead = self._lookahead[1], None
+        return guess
+
+    def _misses_for_host(self, layer: int, needed: list[int]) -> list[int]:
+        if self.planner is None or self.phase != "decode":  # prefill: many tokens, the device wins
+            return []
+        return self.planner.split([e for e in needed if not self.cache.is_resident((layer, e))])
+
+    def _compute_on_host(self, layer: int, experts: list[int], compute_on_host) -> None:
+        for expert in experts:
+            self.stats.add("misses", layer)
+            self.stats.add("cpu_computed", layer)
+            with self.cache.backend.staged((layer, expert)) as buffer:  # held: no prefetch recycles it
+                compute_on_host(expert, buffer)
+            self.cache.prefetch((layer, expert))  # cached for later tokens if the policy values it (low priority)
 
 
 def chunks(experts: Sequence[int], capacity: int) -> list[Sequence[int]]:

@@ -7,6 +7,7 @@ host store copy one expert straight into a preallocated buffer with `os.preadv`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ def read_into(fd: int, dst: memoryview, offset: int) -> None:
 
 
 def read_header(path: Path) -> dict[str, TensorLocation]:
+    """Every tensor's location, checked against the file before any tensor is read: offsets in
+    the data section, no two tensors sharing bytes, each size what its dtype and shape need."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -69,26 +72,51 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise CheckpointError(f"{path} is not a safetensors file (too short)")
         (header_len,) = struct.unpack("<Q", raw)
         if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(f"{path} is not a valid safetensors file (bad header length)")
+            raise CheckpointError(f"{path} is not a valid safetensors file (header length {header_len} "
+                                  f"in a file of {size} bytes; at most {MAX_HEADER_BYTES})")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise CheckpointError(f"{path} is not a valid safetensors file (header: {e})") from None
-    data_start = 8 + header_len
-    locations = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = info["data_offsets"]
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: malformed header entry for {name!r}") from None
-        if data_start + end > size or begin > end:
-            raise CheckpointError(f"{path} is truncated or corrupt ({name!r} lies past the end of the file)")
-        locations[name] = TensorLocation(path, dtype, shape, data_start + begin, end - begin)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a valid safetensors file (the header is not a JSON object)")
+    data_start, data_size = 8 + header_len, size - 8 - header_len
+    locations = {name: _location(path, name, info, data_start, data_size)
+                 for name, info in header.items() if name != "__metadata__"}
+    _check_no_overlap(path, locations)
     return locations
+
+
+def _location(path: Path, name: str, info: object, data_start: int, data_size: int) -> TensorLocation:
+    """One header entry as a location; `CheckpointError` unless it lies inside the data section
+    and its byte count is what its dtype and shape need."""
+    try:
+        begin, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        shape = tuple(info["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: malformed header entry for {name!r}") from None
+    if not all(_is_count(v) for v in (begin, end, *shape)):
+        raise CheckpointError(f"{path}: {name!r} has offsets or a shape that are not non-negative integers")
+    if not begin <= end <= data_size:
+        raise CheckpointError(f"{path} is truncated or corrupt ({name!r} lies past the end of the file: "
+                              f"bytes [{begin}, {end}) of a {data_size}-byte data section)")
+    needed = math.prod(shape) * dtype.itemsize
+    if end - begin != needed:
+        raise CheckpointError(f"{path}: {name!r} holds {end - begin} bytes, but {info['dtype']} of shape "
+                              f"{list(shape)} needs {needed}")
+    return TensorLocation(path, dtype, shape, data_start + begin, end - begin)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_no_overlap(path: Path, locations: dict[str, TensorLocation]) -> None:
+    ordered = sorted(locations.items(), key=lambda item: item[1].offset)
+    for (before, first), (after, second) in zip(ordered, ordered[1:]):
+        if second.offset < first.offset + first.nbytes:
+            raise CheckpointError(f"{path} is corrupt: tensors {before!r} and {after!r} share bytes")
 
 
 def index_checkpoint(folder: Path) -> dict[str, TensorLocation]:

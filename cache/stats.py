@@ -17,11 +17,12 @@ class CacheStats:
     evictions: list[int] = field(init=False)
     prefetch_evictions: list[int] = field(init=False)  # experts a prefetch evicted
     prefetch_regrets: list[int] = field(init=False)  # ... that were then missed soon after
+    cpu_computed: list[int] = field(init=False)  # misses computed on the host instead of copied
     lock: threading.Lock = field(init=False, repr=False, compare=False)
     _totals: dict[str, int] = field(init=False, repr=False, compare=False)  # kept as counts are added
 
     COUNTERS = ("hits", "misses", "prefetches", "prefetch_used", "bytes_transferred", "evictions",
-                "prefetch_evictions", "prefetch_regrets")
+                "prefetch_evictions", "prefetch_regrets", "cpu_computed")
 
     def __post_init__(self) -> None:
         for name in self.COUNTERS:

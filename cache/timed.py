@@ -12,7 +12,10 @@ arrive and so how long a token takes, without a GPU:
   when that lets queued prefetches go ahead of a demand copy;
 - a MoE layer's compute (`compute_ms`, attention and the rest included) starts when all
   of its experts have arrived; the link keeps copying meanwhile. A token adds
-  `token_ms` once (embedding, LM head, sampling).
+  `token_ms` once (embedding, LM head, sampling);
+- with `cpu_gbps`, a missed expert may instead be computed on the host cores, reading its
+  weights at that rate, side by side with the link (`cache.miss_planner` decides which);
+  the layer's compute starts once the host's results are in too.
 
 Time is simulated in milliseconds. `TimedBackend` is the replay's transfer backend; it
 tells the link about every demand load and prefetch the cache issues.
@@ -39,9 +42,13 @@ class LinkSpec:
     compute_ms: float = 1.6  # one MoE layer of one decode token, all experts resident
     token_ms: float = 0.0  # per token, outside the MoE layers
     chunk_bytes: int = 0  # copy granularity; 0: whole experts
+    cpu_gbps: float = 0.0  # host cores' read rate of expert weights; 0: no host executor
 
     def copy_ms(self, num_bytes: int) -> float:
         return num_bytes / (self.link_gbps * 1e6)
+
+    def host_ms(self, num_bytes: int) -> float:
+        return num_bytes / (self.cpu_gbps * 1e6)
 
 
 class Transfer:
@@ -60,6 +67,7 @@ class Link:
         self.spec = spec
         self.now = 0.0
         self.busy_until = 0.0
+        self.host_until = 0.0  # when the host cores finish the experts given to them
         self.bytes_moved = 0
         self._demand: deque[Transfer] = deque()
         self._prefetch: deque[Transfer] = deque()
@@ -84,7 +92,11 @@ class Link:
         self.now = max(self.now, transfer.done_at)
 
     def compute(self, ms: float) -> None:
-        self.now += ms
+        self.now = max(self.now, self.host_until) + ms
+
+    def compute_on_host(self, ms: float) -> None:
+        """An expert computed on the host cores from `now` (or when they are free)."""
+        self.host_until = max(self.now, self.host_until) + ms
 
     def _commit_started(self) -> None:
         """Chunks that started before `now` were chosen without what is issued now."""

@@ -11,6 +11,8 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
+MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; chat front ends add a few per role name and template
+MAX_STOP_CHARS = 256  # each stop string: checked against the text held back at every token
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy (as in vLLM): float32 cannot divide by it safely
 
 
@@ -84,6 +86,9 @@ class SamplingParams:
             (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed",
              f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]})"),
             (self.top_logprobs is None or 0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (len(self.stop) <= MAX_STOP_SEQUENCES, "stop", f"may hold at most {MAX_STOP_SEQUENCES} sequences"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"sequences may be at most {MAX_STOP_CHARS} characters long"),
             (self.grammar is None or not self.ignore_eos, "ignore_eos",
              "cannot be combined with a grammar: a finished grammar allows only end-of-sequence"),
             (

@@ -3,6 +3,8 @@
 A template that can take tools gets the messages as transformers documents them (assistant
 `tool_calls` with `arguments` as a mapping, `tool` messages with their `tool_call_id`). A
 template that cannot gets a plain chat: the calls and their results written out as text.
+DeepSeek-V3 and R1's templates render calls and tool results but not the tool list: they take
+tools, and the server writes the list into the system message (`with_system_text`).
 """
 
 from __future__ import annotations
@@ -15,17 +17,30 @@ from engine.api import ChatTemplateInfo, InvalidRequestError
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 _TOOLS_VARIABLE = re.compile(r"\btools\b")  # how a template declares that it renders a tool list
+_CALLS_ONLY_SIGNS = ("tool▁call▁begin",)  # templates that render calls, whose tool list goes in the system prompt
 
 
 def template_info(template: str | dict[str, str] | None, model_type: str) -> ChatTemplateInfo:
     """What a tokenizer's chat template can do; `template` may be one or several named templates."""
+    source = "\n".join(template.values()) if isinstance(template, dict) else template or ""
+    supports = renders_tool_list(source) or any(sign in source for sign in _CALLS_ONLY_SIGNS)
     if isinstance(template, dict):  # e.g. {"default": ..., "tool_use": ...}
-        source = "\n".join(template.values())
-        supports = "tool_use" in template or bool(_TOOLS_VARIABLE.search(source))
-    else:
-        source = template or ""
-        supports = bool(_TOOLS_VARIABLE.search(source))
+        supports = supports or "tool_use" in template
     return ChatTemplateInfo(supports_tools=supports, source=source, model_type=model_type)
+
+
+def renders_tool_list(source: str) -> bool:
+    """Whether a chat template's source renders the request's `tools` itself."""
+    return bool(_TOOLS_VARIABLE.search(source))
+
+
+def with_system_text(messages: list[dict], text: str) -> list[dict]:
+    """`text` at the end of the leading system message (added first where there is none)."""
+    if messages and messages[0].get("role") in ("system", "developer"):
+        first = messages[0]
+        content = _text(first.get("content"), "messages[0]", may_be_empty=True)
+        return [{**first, "content": f"{content}\n\n{text}" if content else text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def prepare_messages(messages: list[dict], tool_template: bool) -> list[dict]:

@@ -51,6 +51,8 @@ def resolve_model_path(model: str) -> Path:
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise CheckpointError(f"model folder {model!r} does not exist")
+    if not is_hub_id(model):  # its cache folder is named after it: it must stay inside the hub cache
+        raise CheckpointError(f"{model!r} is neither a local folder nor a valid Hugging Face hub id (owner/name)")
     try:
         from huggingface_hub import snapshot_download
 
@@ -63,6 +65,14 @@ def resolve_model_path(model: str) -> Path:
         ) from None
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
+
+
+def is_hub_id(model: str) -> bool:
+    """`owner/name` as the hub spells them: letters, digits, `.`, `_`, `-`, no `..` or `--`, at most 96 each."""
+    return bool(_HUB_ID.fullmatch(model)) and ".." not in model and "--" not in model
+
+
 def read_config_dict(folder: Path) -> dict:
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -71,6 +81,8 @@ def read_config_dict(folder: Path) -> dict:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} is not a JSON object")
     model_type = config.get("model_type")
     families = interface_families()
     if model_type not in families:
@@ -86,7 +98,36 @@ def read_config_dict(folder: Path) -> dict:
             f"{folder} holds a quantized checkpoint ({method}); moe-serve loads unquantized "
             f"(bf16/fp16/fp32) checkpoints only: use the unquantized release with --expert-dtype int8 or int4"
         )
+    check_config_sizes(config, config_path)
     return config
+
+
+# config.json sizes and their bounds, checked before anything is built from them; the bounds are
+# far above any published model (hidden 16k, 384 experts, 262k vocabulary, 10M context)
+_SIZE_BOUNDS = {
+    "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "moe_intermediate_size": 1 << 18,
+    "shared_expert_intermediate_size": 1 << 18, "num_hidden_layers": 1024, "num_attention_heads": 1024,
+    "num_key_value_heads": 1024, "head_dim": 1 << 14, "vocab_size": 1 << 22, "max_position_embeddings": 1 << 24,
+    "num_local_experts": 4096, "num_experts": 4096, "n_routed_experts": 4096, "num_experts_per_tok": 4096,
+    "kv_lora_rank": 1 << 16, "q_lora_rank": 1 << 16, "qk_rope_head_dim": 1 << 14, "qk_nope_head_dim": 1 << 14,
+    "v_head_dim": 1 << 14,
+}
+_MAY_BE_ZERO = {"n_shared_experts": 64, "first_k_dense_replace": 1024, "n_group": 4096, "topk_group": 4096}
+
+
+def check_config_sizes(config: dict, where: Path) -> None:
+    """Every size the model is built from is a positive integer within its bound (None where optional)."""
+    for key, bound, least in [*((k, b, 1) for k, b in _SIZE_BOUNDS.items()),
+                              *((k, b, 0) for k, b in _MAY_BE_ZERO.items())]:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= bound:
+            raise CheckpointError(f"{where}: {key} is {value!r}; it must be an integer in [{least}, {bound}]")
+    experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if config.get(k)), None)
+    if experts is not None and config.get("num_experts_per_tok", 1) > experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok {config['num_experts_per_tok']} exceeds the "
+                              f"{experts} experts")
 
 
 def checkpoint_digest(folder: Path) -> str:
@@ -128,6 +169,7 @@ def expert_segments(layer: MoELayer, sources: ExpertSources, moe_layer: int) -> 
         expert = []
         for param, shape in layer.layout.parts:
             if param in sources.fused:
+                _check_fused(sources.fused[param], param, shape, layer.num_experts, moe_layer)
                 expert.append(Segment.slice_of(sources.fused[param], e))
                 continue
             parts = sorted(sources.per_expert.get(param, {}).get(e, []), key=lambda p: p[0])
@@ -183,3 +225,11 @@ def _expert_number(key: str, pattern: str) -> int:
     if match is None:
         raise CheckpointError(f"cannot find the expert number in {key} (pattern {pattern})")
     return int(match.group(1))
+
+
+def _check_fused(loc: TensorLocation, param: str, shape: tuple[int, ...], num_experts: int, moe_layer: int) -> None:
+    """A fused tensor holds one block per expert: fewer experts than the config's would send
+    an expert's reads into the bytes of another tensor."""
+    if loc.shape != (num_experts, *shape):
+        raise CheckpointError(f"MoE layer {moe_layer}: the fused {param} has shape {list(loc.shape)}, the config "
+                              f"implies {[num_experts, *shape]}")

@@ -71,11 +71,13 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[object] = asyncio.Queue()
         job = _Job(request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
-        with self._lock:
+        with self._lock:  # one lock with the worker's death: a job is queued before it, or refused
+            if self.error is not None:
+                raise EngineUnavailableError(f"the engine failed: {self.error}")
             if len(self._active) >= self.max_queue:
                 raise QueueFullError(f"the engine queue is full ({self.max_queue} requests); retry later")
             self._active[request.request_id] = job
-        self._jobs.put(job)
+            self._jobs.put(job)
         finished = False
         try:
             while True:
@@ -131,8 +133,20 @@ class EngineClient:
             return
         finally:
             self._loaded.set()
-        while (job := self._jobs.get()) is not None:
-            self._run_job(self.engine, job)
+        try:
+            while (job := self._jobs.get()) is not None:
+                self._run_job(self.engine, job)
+        except BaseException as e:  # the worker dies: /health says so and no request waits for it
+            log.critical("the engine worker died", exc_info=True)
+            self._fail_waiting(f"the engine worker died: {type(e).__name__}: {e}")
+
+    def _fail_waiting(self, reason: str) -> None:
+        with self._lock:
+            self.error = reason
+            waiting = list(self._active.values())
+            self._active.clear()
+        for job in waiting:
+            job.emit(EngineUnavailableError(reason))
 
     def _run_job(self, engine: Engine, job: _Job) -> None:
         try:
@@ -141,6 +155,9 @@ class EngineClient:
                     job.emit(event)
         except Exception as e:  # the server logs it, with this traceback, once
             job.emit(e)
+        except BaseException as e:  # fatal to the worker (see _run); this request still gets an error
+            job.emit(EngineUnavailableError(f"the engine worker died: {type(e).__name__}: {e}"))
+            raise
         finally:
             with self._lock:
                 self._active.pop(job.request.request_id, None)

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
 EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
+MAX_NAME_CHARS = 256
+
+
+CPU_EXPERTS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class EngineConfig:
     host_cache_gb: float | None = None  # RAM tier budget; None: all experts in RAM
     policy: str = "sparsity-aware"
     prefetch: bool = True
+    cpu_experts: str = "auto"  # auto | off: on CUDA, compute some misses on the host cores (when measured faster)
     eamc_path: str | None = None  # None: one file per model under the state folder
     eamc_capacity: int = 256  # cache/eamc.py DEFAULT_CAPACITY: no gain beyond ~100 entries in replay
     record_trace: str | None = None
@@ -36,12 +41,17 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+        if self.cpu_experts not in CPU_EXPERTS:
+            raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, not {self.cpu_experts!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert-dtype must be one of {', '.join(EXPERT_DTYPES)}, not {self.expert_dtype!r}")
         if self.expert_group_size is not None and self.expert_group_size < 0:
             raise ValueError(f"expert-group-size must be 0 (per channel) or positive, not {self.expert_group_size}")
+        if self.served_model_name is not None and not _is_printable_name(self.served_model_name):
+            raise ValueError(f"served-model-name must be 1 to {MAX_NAME_CHARS} printable characters, "
+                             f"not {self.served_model_name!r}")
         if self.expert_cache_experts is not None and self.expert_cache_gb is not None:
             raise ValueError("give --expert-cache-experts or --expert-cache-gb, not both")
         positive = {
@@ -54,3 +64,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, not {value}")
+
+
+def _is_printable_name(name: str) -> bool:
+    """What clients send back and logs quote: no control characters, no lone surrogates."""
+    return 0 < len(name) <= MAX_NAME_CHARS and name.isprintable() and name.strip() == name

@@ -14,6 +14,19 @@ import torch
 
 from engine.api import InvalidRequestError
 
+_ADDED_TOKENS: dict[int, tuple[object, dict[str, int]]] = {}  # id(tokenizer) -> (tokenizer, its added tokens)
+
+
+def added_token_ids(hf_tokenizer) -> dict[str, int]:
+    """The tokenizer's added tokens by text (read once per tokenizer). A grammar names a marker that
+    is one of them by id: prompts show it to the model as that one token, and llguidance does not
+    match an added token (special or not, e.g. DeepSeek's `<｜tool▁calls▁begin｜>`) to its text."""
+    cached = _ADDED_TOKENS.get(id(hf_tokenizer))
+    if cached is None or cached[0] is not hf_tokenizer:
+        tokens = {t.content: i for i, t in hf_tokenizer.added_tokens_decoder.items()}
+        cached = _ADDED_TOKENS[id(hf_tokenizer)] = (hf_tokenizer, tokens)
+    return cached[1]
+
 
 def check_grammar(grammar: str) -> None:
     """Raises InvalidRequestError for a grammar llguidance cannot compile (no tokenizer needed)."""

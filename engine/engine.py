@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, Cache, GenerationConfig
 
 from cache.eamc import EAMC
 from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
+from cache.miss_planner import MissCosts, MissPlanner
 from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
 from cache.quant import DEFAULT_GROUP_SIZE, QUANT_DTYPES, QuantLayout
 from cache.trace import TraceWriter
@@ -42,10 +44,12 @@ from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
+from engine.time_limit import TimeLimitExceeded, call_with_time_limit
 
 log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
+CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
 WARM_UP_TOKENS = 4
 
 
@@ -86,6 +90,7 @@ class Engine:
         self._anchor_text = tokenizer.decode(self._anchor)
         self._eamc_saver: EAMCAutosaver | None = None
         self._eamc_saved_at = time.monotonic()
+        self.miss_costs: MissCosts | None = None  # measured on CUDA with --cpu-experts auto
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -118,12 +123,14 @@ class Engine:
 
     def _attach_cache_features(self) -> None:
         runtime, config = self.runtime, self.config
+        copy_ms = self._copy_ms()
+        runtime.planner = self._miss_planner(copy_ms)
         if config.prefetch:
             routers = [None if layer.router is None else router_top_k(layer.router) for layer in self.loaded.moe_layers]
             # CUDA copies are already async on a side stream; disk reads of a bounded RAM tier are not
             background = self.device.type != "cuda" or not self.loaded.host.fully_resident
             limit = PREFETCH_LIMIT_PER_TOP_K * runtime.top_k
-            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit, self._prefetch_cost())
+            runtime.prefetcher = Prefetcher(runtime.cache, routers, background, limit, self._prefetch_cost(copy_ms))
         if hasattr(runtime.policy, "eamc"):
             self._eamc_saver = _eamc_saver(self, runtime.policy)
         if config.record_trace:
@@ -131,15 +138,36 @@ class Engine:
                 config.record_trace, self.model_name, runtime.num_layers, runtime.num_experts, runtime.top_k
             )
 
-    def _prefetch_cost(self) -> PrefetchCost | None:
-        """On CUDA: a guess must pay for its copy (copy time measured now, compute learned
-        while decoding). On CPU experts are computed where they lie; a prefetch only reads
-        ahead from disk on a thread of its own, so every guess is issued."""
+    def _copy_ms(self) -> float | None:
+        """One expert's host → device copy on this machine, measured now (None on CPU)."""
         if self.device.type != "cuda":
             return None
         copy_ms = self.runtime.cache.backend.measure_copy_ms(next(iter(self.loaded.host.sources)))
-        log.info("one expert's copy to the device takes %.2f ms; prefetch only what pays for that", copy_ms)
+        log.info("one expert's copy to the device takes %.2f ms", copy_ms)
+        return copy_ms
+
+    def _prefetch_cost(self, copy_ms: float | None) -> PrefetchCost | None:
+        """On CUDA: a guess must pay for its copy (copy time measured now, compute learned
+        while decoding). On CPU experts are computed where they lie; a prefetch only reads
+        ahead from disk on a thread of its own, so every guess is issued."""
+        if copy_ms is None:
+            return None
         return PrefetchCost(copy_ms, overlap_ms=0.0, measure_overlap=True)
+
+    def _miss_planner(self, copy_ms: float | None) -> MissPlanner | None:
+        """`--cpu-experts auto`: on CUDA, misses go to the host cores too when that was measured
+        to finish a step sooner (the costs are shown in /v1/expert-cache)."""
+        if copy_ms is None or self.config.cpu_experts == "off" or not self.loaded.offloaded[0].host_capable:
+            return None
+        torch.set_num_threads(host_compute_threads())
+        with self.loaded.host.hold(next(iter(self.loaded.host.sources))) as buffer:
+            host_ms = self.loaded.offloaded[0].measure_host_ms(buffer)
+        self.miss_costs = MissCosts(copy_ms, host_ms)
+        gains = self.miss_costs.gains()
+        log.info("one expert on one token takes %.2f ms on %d host threads, its copy %.2f ms: misses %s",
+                 host_ms, torch.get_num_threads(), copy_ms,
+                 "are split between the host and the link" if gains else "are all copied (no gain measured)")
+        return MissPlanner(self.miss_costs) if gains else None
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -161,13 +189,22 @@ class Engine:
             raise InvalidRequestError("this model's chat template cannot take tools", param="tools")
         normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._encoder_lock:
-            try:
-                text = self._encoder.apply_chat_template(
-                    normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as e:  # the template's own checks, e.g. roles that must alternate
-                raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
+            text = self._render_chat_template(normalised, tools)
             return self._encoder(text, add_special_tokens=False)["input_ids"]
+
+    def _render_chat_template(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The model's template, in transformers' Jinja sandbox and within CHAT_TEMPLATE_TIME_LIMIT_S."""
+        def render() -> str:
+            return self._encoder.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                     tokenize=False)
+        try:
+            return call_with_time_limit(render, CHAT_TEMPLATE_TIME_LIMIT_S)
+        except TimeLimitExceeded:
+            log.warning("the chat template did not finish within %.0f s", CHAT_TEMPLATE_TIME_LIMIT_S)
+            raise InvalidRequestError(f"the model's chat template did not finish within {CHAT_TEMPLATE_TIME_LIMIT_S:g} s "
+                                      "on these messages", param="messages", code="chat_template_timeout") from None
+        except Exception as e:  # the template's own checks (roles that must alternate) and the sandbox's
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
 
     def validate(self, request: GenerationRequest) -> None:
         prompt, params = request.prompt_token_ids, request.params
@@ -294,6 +331,7 @@ class Engine:
             if totals["prefetches"]
             else None,
             "lookahead_accuracy": self.runtime.prefetcher.lookahead_accuracy if self.runtime.prefetcher else None,
+            "cpu_experts": self._cpu_experts_info(totals),
             "eamc_entries": _eamc_size(self.runtime.policy),
             "eamc_path": str(self._eamc_saver.path) if self._eamc_saver else None,
             "layers": [
@@ -308,6 +346,19 @@ class Engine:
             ],
         }
 
+    def _cpu_experts_info(self, totals: dict[str, int]) -> dict:
+        """The host executor: its cost model and the share of expert uses it computed."""
+        uses = totals["hits"] + totals["misses"]
+        costs = self.miss_costs
+        return {
+            "enabled": self.runtime.planner is not None,
+            "copy_ms_per_expert": round(costs.copy_ms, 3) if costs else None,
+            "cpu_ms_per_expert": round(costs.host_ms, 3) if costs else None,
+            "cpu_threads": torch.get_num_threads() if costs else None,
+            "computed": totals["cpu_computed"],
+            "share_of_expert_uses": totals["cpu_computed"] / uses if uses else 0.0,
+        }
+
     def close(self) -> None:
         """Persist what must survive a restart; stop background work."""
         if self._eamc_saver is not None:
@@ -316,6 +367,12 @@ class Engine:
             self.runtime.prefetcher.close()
         if self.runtime.recorder is not None:
             self.runtime.recorder.close()
+
+
+def host_compute_threads() -> int:
+    """Intra-op threads for experts computed on the host: all cores but one, which the engine
+    thread's Python work and the prefetch thread's disk reads need to stay responsive."""
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -58,6 +58,7 @@ class OffloadedModel:
     host: HostStore
     folder: Path
     moe_layers: list[MoELayer]
+    offloaded: list[OffloadedExperts]  # the forward installed on each MoE layer's experts module
     layout: ExpertLayout
     num_experts: int
     top_k: int
@@ -94,8 +95,10 @@ def load_offloaded_model(
     host = _build_host_store(sources, quant_layout or layout, torch.uint8 if quant_layout else dtype, device, sizing)
     cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
-    for moe_index, layer in enumerate(moe_layers):
-        OffloadedExperts(moe_index, layer, runtime, cache.backend.slots, quant_layout).install()
+    slots = cache.backend.slots
+    offloaded = [OffloadedExperts(i, layer, runtime, slots, quant_layout) for i, layer in enumerate(moe_layers)]
+    for experts in offloaded:
+        experts.install()
 
     _load_dense(model, dense, device, dtype)
     model.to(device)  # the buffers (rotary tables) built on the host at init
@@ -109,7 +112,9 @@ def load_offloaded_model(
         config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20,
         quant_layout.expert_dtype if quant_layout else str(dtype).removeprefix("torch."), tiers,
     )
-    return OffloadedModel(model, config, runtime, host, folder, moe_layers, layout, num_experts, top_k, quant_layout)
+    return OffloadedModel(
+        model, config, runtime, host, folder, moe_layers, offloaded, layout, num_experts, top_k, quant_layout
+    )
 
 
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:

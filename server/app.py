@@ -134,7 +134,7 @@ def create_app(
     app.state.tool_call_parser = server_config.tool_call_parser
     app.state.started = int(time.time())
     metrics = ServerMetrics(
-        queue_depth=lambda: app.state.client.queue_depth,
+        queue_depth=lambda: app.state.serving.scheduler.depth,
         cache_counters=lambda: app.state.client.engine.cache_counters() if app.state.client.ready else None,
     )
     app.state.metrics = metrics

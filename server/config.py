@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import DTYPES, EXPERT_DTYPES, POLICY_NAMES, EngineConfig
+from engine.config import CPU_EXPERTS, DTYPES, EXPERT_DTYPES, POLICY_NAMES, EngineConfig
 from server import VERSION
 from server.tool_parsers import PARSER_NAMES
 
@@ -135,6 +135,9 @@ FLAGS: tuple[Flag, ...] = (
          "are read from disk on demand", "GB", default_text="all experts in RAM"),
     Flag("--policy", EngineConfig, str, "expert cache policy; only sparsity-aware learns from past requests "
          "(the EAMC): with lru or lfu the EAMC and its file are off", choices=POLICY_NAMES),
+    Flag("--cpu-experts", EngineConfig, str, "on CUDA, compute some missed experts on the host cores where their "
+         "weights lie, while the link copies others: auto (when measured faster at start-up) or off",
+         choices=CPU_EXPERTS),
     Flag("--prefetch", EngineConfig, parse_bool, "prefetch the experts the predictor expects next "
          "(--no-prefetch: load on demand only)"),
     Flag("--eamc-path", EngineConfig, str, "file that keeps the learned expert activation matrices "

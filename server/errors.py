@@ -71,13 +71,23 @@ def to_api_error(exc: BaseException) -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0] if exc.errors() else {}
+    first = _most_specific(exc.errors())
     if first.get("type") == "json_invalid":  # its loc is a character position, not a field
         reason = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON: {reason}".rstrip(": "))
     param = _param(first.get("loc", ()))
     message = first.get("msg", "invalid request")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _most_specific(errors) -> dict:
+    """The error to report: for a union (`str | list[...]`) pydantic reports one per member; the one
+    that is not a wrong type (a list too long), else the one deepest into the value, says most."""
+    if not errors:
+        return {}
+    not_a_type = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    candidates = not_a_type or errors
+    return max(candidates, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "json_invalid"}

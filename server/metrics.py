@@ -31,6 +31,8 @@ CACHE_METRICS = {
     "prefetches": ("moe_expert_prefetches", "Experts loaded ahead of use by the prefetcher"),
     "prefetch_used": ("moe_expert_prefetch_used", "Prefetched experts that were used before eviction"),
     "bytes_transferred": ("moe_expert_bytes_transferred", "Expert bytes copied host to device"),
+    "cpu_computed": ("moe_expert_cpu_computed", "Missed experts computed on the host cores instead of copied "
+                     "(--cpu-experts; also counted as misses)"),
     "prefetch_failures": ("moe_expert_prefetch_failures", "Prefetches that failed (e.g. a disk read); serving went on"),
     "trace_write_failures": ("moe_trace_write_failures", "Requests whose --record-trace line could not be written"),
     "eamc_entries": ("moe_eamc_entries", "Expert activation matrices held in the EAMC"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,10 +28,15 @@ def now() -> int:
     return int(time.time())
 
 
-class OpenAIBaseModel(BaseModel):
-    """A request: unknown fields are kept aside (and logged), not refused; clients send many."""
+MAX_MESSAGES = 4096  # per chat request; also content parts per message
+MAX_TOOLS = 128  # OpenAI's limit
 
-    model_config = ConfigDict(extra="allow")
+
+class OpenAIBaseModel(BaseModel):
+    """A request: unknown fields are kept aside (and logged), not refused; clients send many.
+    Types are strict, as OpenAI's: `"5"` is not a number nor `1` a boolean."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -263,7 +268,7 @@ class ContentPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -281,11 +286,11 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None

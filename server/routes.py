@@ -9,14 +9,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, GenerationRequest
+from engine.constraint import added_token_ids
 from server import protocol as p
 from server.errors import model_not_found
+from server.json_body import StrictJSONRoute
 from server.serving import ChatFormat, CompletionFormat, Serving
 from server.structured import with_response_format
 from server.tools import WARNING_HEADER, plan_tools
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)  # duplicate keys and deep nesting: 400
 
 
 def ready_engine(raw: Request, model: str | None = None):
@@ -46,11 +48,12 @@ def _accept(body: p.OpenAIBaseModel) -> None:
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
     _accept(body)
     engine = ready_engine(raw, body.model)
-    plan = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser)
+    added_tokens = added_token_ids(engine.tokenizer) if body.tools else None
+    plan = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser, added_tokens)
     params = body.to_sampling_params(engine.sampling_defaults)
     params = with_response_format(plan.sampling_params(params), body.response_format)
     # the model's own template, never the request's; off the event loop, like all tokenizing
-    prompt = await run_in_threadpool(engine.apply_chat_template, body.engine_messages(), plan.tools)
+    prompt = await run_in_threadpool(engine.apply_chat_template, plan.messages(body.engine_messages()), plan.tools)
     fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan)
     request = GenerationRequest(fmt.id, prompt, params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)

@@ -7,9 +7,10 @@ turn engine events into OpenAI objects; `Serving` drives the two and records met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import anyio
@@ -29,6 +30,7 @@ from engine.api import (
 from server import protocol as p
 from server.errors import APIError, to_api_error
 from server.metrics import ABORTED, ERROR, OK, ServerMetrics
+from server.scheduling import Scheduler, Ticket
 from server.tool_parsers import Piece, ToolCall, ToolCallStream
 from server.tools import ToolPlan
 
@@ -45,7 +47,7 @@ class Submission:
     """A request handed to the engine: validated and queued, its events not read yet."""
 
     def __init__(self, client, request: GenerationRequest) -> None:
-        self.client, self.request_id = client, request.request_id
+        self.client, self.request, self.request_id = client, request, request.request_id
         self._events = client.generate(request)
         self._first = asyncio.ensure_future(_next(self._events))
 
@@ -246,6 +248,7 @@ def _check_finished(outcome: Outcome, shutting_down: bool = False) -> None:
 
 class Serving:
     """Drives requests through the engine client; shared by the chat and completion routes.
+    The scheduler picks which request the engine runs next (streams first, see `scheduling`).
 
     On shutdown (`begin_drain`, or sse-starlette seeing the server stop) running requests get
     `drain_s` to finish; then they are aborted and answered 503 (a stream: an error event, [DONE]).
@@ -254,6 +257,7 @@ class Serving:
     def __init__(self, client, metrics: ServerMetrics, drain_s: float = DRAIN_TIMEOUT_S) -> None:
         self.client, self.metrics, self.drain_s = client, metrics, drain_s
         self.drain_deadline: float | None = None
+        self.scheduler = Scheduler(client.max_queue)
 
     def begin_drain(self) -> None:
         """Safe from a signal handler: it only sets a time."""
@@ -274,19 +278,27 @@ class Serving:
     async def run(self, raw: Request, fmt: Format, request: GenerationRequest, stream: bool,
                   include_usage: bool = False) -> Response:
         timer = self.metrics.track()  # errors raised from here are counted by the error handlers
+        with _prompt_errors(fmt):  # a bad request is answered at once, not after its turn
+            self.client.engine.validate(request)
+        ticket = await self.scheduler.acquire(streams=stream)
         try:
-            submission = await Submission.start(self.client, request)
-        except ContextLengthError as e:
-            raise e.for_prompt(fmt.prompt_param) from None
+            submission = await self._submit(request, fmt)
+        except BaseException:
+            self.scheduler.release(ticket)
+            raise
         if not stream:
-            return await self._complete(raw, submission, fmt, timer)
+            return await self._complete(raw, submission, fmt, timer, ticket)
         shutdown = anyio.Event()  # set by sse-starlette when the server stops: the drain begins
-        events = self._stream(submission, fmt, include_usage, timer, shutdown)
+        events = self._stream(submission, fmt, include_usage, timer, shutdown, ticket)
         return EventSourceResponse(events, sep="\n", shutdown_event=shutdown,
                                    shutdown_grace_period=self.drain_s + SHUTDOWN_GRACE_S)
 
+    async def _submit(self, request: GenerationRequest, fmt: Format) -> Submission:
+        with _prompt_errors(fmt):
+            return await Submission.start(self.client, request)
+
     async def _stream(self, submission: Submission, fmt: Format, include_usage: bool, timer,
-                      shutdown: anyio.Event) -> AsyncIterator[str]:
+                      shutdown: anyio.Event, ticket: Ticket) -> AsyncIterator[str]:
         status = ABORTED  # unless it ends below: the client went away
         stopper = asyncio.ensure_future(self._abort_after_drain(submission, shutdown))
         try:
@@ -304,6 +316,7 @@ class Serving:
             stopper.cancel()
             timer.done(status)
             await submission.close()
+            self.scheduler.release(ticket)
         yield "[DONE]"
 
     async def _chunks(self, submission: Submission, fmt: Format, include_usage: bool,
@@ -324,8 +337,8 @@ class Serving:
         if include_usage:
             yield fmt.usage(outcome.usage)
 
-    async def _complete(self, raw: Request, submission: Submission, fmt: Format, timer) -> Response:
-        collect = asyncio.ensure_future(self._collect(submission, timer))
+    async def _complete(self, raw: Request, submission: Submission, fmt: Format, timer, ticket: Ticket) -> Response:
+        collect = asyncio.ensure_future(self._collect_in_turn(submission, fmt, timer, ticket))
         gone = asyncio.ensure_future(_wait_for_disconnect(raw))
         stopper = asyncio.ensure_future(self._abort_after_drain(submission))  # ends `collect` with "abort"
         try:
@@ -338,12 +351,25 @@ class Serving:
                 with anyio.CancelScope(shield=True):
                     await asyncio.wait({collect})  # its `finally` aborts the request
                 timer.done(ABORTED)
+            self.scheduler.release(ticket)
         if collect.cancelled():
             return Response(status_code=CLIENT_CLOSED_STATUS)
         outcome = collect.result()
         _check_finished(outcome, self.shutting_down)
         timer.done(OK)
         return JSONResponse(fmt.response(outcome).model_dump(exclude_unset=True))
+
+    async def _collect_in_turn(self, submission: Submission, fmt: Format, timer, ticket: Ticket) -> Outcome:
+        """The outcome; a request preempted for a stream waits for its turn again and starts over."""
+        request_id = submission.request_id
+        while True:
+            ticket.preempt = lambda: self.client.abort(request_id)  # the engine ends it with "abort"
+            outcome = await self._collect(submission, timer)
+            if not ticket.preempted or outcome.finish_reason in ("stop", "length"):
+                return outcome
+            log.info("request %s gave way to a streamed request; it starts again", submission.request_id)
+            await self.scheduler.requeue(ticket)
+            submission = await self._submit(submission.request, fmt)
 
     async def _collect(self, submission: Submission, timer) -> Outcome:
         outcome = Outcome()
@@ -354,6 +380,15 @@ class Serving:
         finally:
             await submission.close()
         return outcome
+
+
+@contextlib.contextmanager
+def _prompt_errors(fmt: Format) -> Iterator[None]:
+    """A prompt too long for the context, reported against the request's prompt field."""
+    try:
+        yield
+    except ContextLengthError as e:
+        raise e.for_prompt(fmt.prompt_param) from None
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

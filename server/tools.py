@@ -10,9 +10,11 @@ valid call (to the named function, or to any of the tools), for formats that hav
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from engine.api import ChatTemplateInfo, InvalidRequestError, SamplingParams
+from engine.chat_messages import renders_tool_list, with_system_text
 from server import protocol as p
 from server.tool_parsers import PARSERS, ToolCallStream, ToolParser, detect_parser
 
@@ -29,6 +31,11 @@ class ToolPlan:
     max_calls: int | None = None  # 1 with parallel_tool_calls: false
     warning: str | None = None  # for the response header and the log
     grammar: str | None = None  # forces the output to be one valid call
+    system_text: str | None = None  # the tool list, for a template that does not render one
+
+    def messages(self, messages: list[dict]) -> list[dict]:
+        """The request's messages as the template gets them (with the tool list where it needs one)."""
+        return messages if self.system_text is None else with_system_text(messages, self.system_text)
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         """The request's params, keeping special tokens in the text where the parser reads them."""
@@ -45,8 +52,10 @@ class ToolPlan:
         return ToolCallStream(self.parser, self.allowed_names, self.max_calls)
 
 
-def plan_tools(request: p.ChatCompletionRequest, template: ChatTemplateInfo, parser_name: str) -> ToolPlan:
-    """`parser_name`: a name from `PARSERS`, or "auto" (from the template, else the model type)."""
+def plan_tools(request: p.ChatCompletionRequest, template: ChatTemplateInfo, parser_name: str,
+               added_tokens: Mapping[str, int] | None = None) -> ToolPlan:
+    """`parser_name`: a name from `PARSERS`, or "auto" (from the template, else the model type);
+    `added_tokens`: the tokenizer's, by text (a grammar writes a format's markers as those)."""
     tools = request.tools or []
     choice = request.tool_choice or "auto"
     forced = _forced_name(choice, tools)
@@ -58,20 +67,22 @@ def plan_tools(request: p.ChatCompletionRequest, template: ChatTemplateInfo, par
         return ToolPlan()
     definitions = [tool.model_dump(exclude_none=True) for tool in tools]
     name = detect_parser(template) if parser_name == "auto" else parser_name
-    parser = PARSERS[name](definitions) if name is not None else None
+    parser = PARSERS[name](definitions, added_tokens, template.source) if name is not None else None
     allowed = frozenset(t.function.name for t in tools)
+    system_text = parser.prompt_tools(definitions) if parser and not renders_tool_list(template.source) else None
     if forced is not None:
         grammar = parser.call_grammar(definitions, None if forced == "*" else forced) if parser else None
         if grammar is None:
             raise InvalidRequestError(f"tool_choice {_describe(choice)} is not supported for this model's tool-call "
                                       f"format ({name or 'unknown'}) yet; use 'auto'", param="tool_choice",
                                       code="unsupported_tool_choice")
-        return ToolPlan(tools=definitions, parser=parser, allowed_names=allowed, max_calls=1, grammar=grammar)
+        return ToolPlan(tools=definitions, parser=parser, allowed_names=allowed, max_calls=1, grammar=grammar,
+                        system_text=system_text)
     if parser is None:
         return ToolPlan(tools=definitions, warning="no tool-call parser is known for this model: the tools were "
                         "offered but calls come back as text; set --tool-call-parser")
     return ToolPlan(tools=definitions, parser=parser, allowed_names=allowed,
-                    max_calls=1 if request.parallel_tool_calls is False else None)
+                    max_calls=1 if request.parallel_tool_calls is False else None, system_text=system_text)
 
 
 def _plain_chat(tool_count: int, choice: str | p.NamedToolChoice, forced: str | None) -> ToolPlan:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import InvalidRequestError
-from engine.chat_messages import prepare_messages, template_info
+from engine.chat_messages import prepare_messages, template_info, with_system_text
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 HISTORY = [
@@ -63,7 +63,15 @@ def test_bad_tool_messages_are_refused(message, param):
     ("{% if message.tool_calls %}{{ message.tool_calls }}{% endif %}", False),  # history only, no tool list
     ("{% if tools %}{{ tools | tojson }}{% endif %}", True),
     ({"default": "{{ messages }}", "tool_use": "{{ messages }}"}, True),
+    ("{{ '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' }}", True),  # DeepSeek-V3: the server adds the list
     (None, False),
 ])
 def test_tool_support_is_read_from_the_template(template, supports):
     assert template_info(template, "any").supports_tools is supports
+
+
+def test_system_text_joins_the_system_message_or_leads_as_one():
+    user = {"role": "user", "content": "Hi"}
+    assert with_system_text([user], "TOOLS") == [{"role": "system", "content": "TOOLS"}, user]
+    system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert with_system_text([system, user], "TOOLS") == [{"role": "system", "content": "Be brief.\n\nTOOLS"}, user]

@@ -135,20 +135,25 @@ def test_decode_computes_experts_stacked_or_one_by_one_alike(family, tmp_path, m
 
 def test_one_host_sync_per_moe_layer_at_decode(tmp_path, monkeypatch):
     """A decode step reads the routing once per MoE layer and never per expert: no `tolist`,
-    `item` or `nonzero` in the expert computation."""
+    `item` or `nonzero` in the expert computation; the prefetcher's look-ahead guess for the
+    next layer is read in the same sync."""
     folder = build_checkpoint("qwen3_moe", tmp_path / "m", num_layers=NUM_LAYERS)
-    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=True))
     prompt_ids = engine.encode(PROMPT)
-    syncs = []  # (prefetch's look-ahead reads its guess once more per layer)
+    engine.runtime.prefetcher.close()  # its thread reads nothing from the device, but keep the count exact
+    syncs = []
     for name in ("tolist", "item", "nonzero"):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (syncs.append(_n), _o(self, *a, **k))[1])
-    offloaded = engine.loaded.moe_layers[0].experts.forward.__self__
+    first, second = engine.loaded.offloaded[:2]
     hidden = torch.randn(1, 32)
     top_k_index = torch.tensor([[3, 5]])
     syncs.clear()
     engine.runtime.phase = "decode"
+    predicted_before = engine.runtime.prefetcher.lookahead_predicted
     with torch.inference_mode():
-        offloaded.forward(hidden, top_k_index, torch.tensor([[0.6, 0.4]]))
-    assert syncs == ["tolist"]
+        first.forward(hidden, top_k_index, torch.tensor([[0.6, 0.4]]))
+        second.forward(hidden, top_k_index, torch.tensor([[0.6, 0.4]]))  # scores the look-ahead guess
+    assert syncs == ["tolist", "tolist"]
+    assert engine.runtime.prefetcher.lookahead_predicted > predicted_before
     assert prompt_ids  # the engine was usable before the patch

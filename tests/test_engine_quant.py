@@ -11,13 +11,18 @@ import shutil
 import pytest
 import torch
 
+import engine.model_loader as model_loader
+from cache.expert_cache import ExpertCache, SlotBackend
+from cache.miss_planner import MissCosts, MissPlanner
 from cache.quant import dequantize, quantize, scale_dtype
 from cache.safetensors_index import CheckpointError
+from cache.stats import CacheStats
 from engine.checkpoint import read_config_dict
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.moe_layers import find_moe_layers
 from tests.fixtures.models import build_checkpoint, load_reference
+from tests.test_engine_equivalence import greedy
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away"
 # What is left between the engine and transformers on the same dequantized weights: the kernels take and
@@ -119,3 +124,22 @@ def test_a_checkpoint_published_quantized_is_refused_naming_its_format(folder, t
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="quantized checkpoint \\(fp8\\).*--expert-dtype int8 or int4"):
         read_config_dict(copy)
+
+
+def test_quantized_experts_computed_on_the_host_give_the_tokens_of_the_slots(gpt_oss_folder, monkeypatch):
+    """The host executor (`--cpu-experts`) reads the packed host buffers through the same kernels."""
+    in_slots = _engine(gpt_oss_folder, expert_dtype="int4", prefetch=False)
+    prompt_ids = in_slots.encode(PROMPT)
+    want = greedy(in_slots, prompt_ids)
+
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers):
+        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
+
+    monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
+    on_host = _engine(gpt_oss_folder, expert_dtype="int4", prefetch=False)
+    for experts in on_host.loaded.offloaded:
+        assert experts.host_capable is False  # a CPU pool: the engine would not use it
+        experts.host_capable = True  # what a CUDA pool with CPU-readable packings gets
+    on_host.runtime.planner = MissPlanner(MissCosts(copy_ms=1.0, host_ms=1.0))  # two misses: one each
+    assert greedy(on_host, prompt_ids) == want
+    assert on_host.cache_counters()["cpu_computed"] > 0

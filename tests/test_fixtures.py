@@ -11,11 +11,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.fixtures.models import (
-    DEFAULT_TOKENIZER,
     FAMILIES,
     LAYOUTS,
     build_checkpoint,
     capture_routing,
+    default_tokenizer,
     load_reference,
     reference_greedy,
 )
@@ -109,7 +109,7 @@ def test_checkpoint_loads_completely(checkpoints, family, layout):
     folder = checkpoints(family, layout)
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    tok = build_tokenizer(DEFAULT_TOKENIZER[family])
+    tok = build_tokenizer(default_tokenizer(family))
     assert max(tok.get_vocab().values()) < model.config.vocab_size == len(tok)
     assert model.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id, 151643])
     if layout == "per_expert":  # one reload per family is enough (the Qwen one takes a second)

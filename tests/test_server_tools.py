@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -25,6 +26,7 @@ from engine.text_stream import IncrementalDetokenizer
 from server.testing import RemoteServer, sse_json
 from server.tools import WARNING_HEADER
 from tests.fixtures.models import build_checkpoint
+from tests.fixtures.schemas import varied_schemas
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE, build_tokenizer
 from tests.test_server_faults import InProcessServer, wait_for_health
 
@@ -56,6 +58,7 @@ class RecordedEngine:
     sampling_defaults: dict = {}
 
     def __init__(self) -> None:
+        self.tokenizer = build_tokenizer("qwen")
         self.output = ""
         self.tools: list[dict] | None = None
         self.messages: list[dict] = []
@@ -300,6 +303,16 @@ def test_response_format_json_schema_on_a_random_model_is_valid_json(qwen):
         answer = json.loads(response.choices[0].message.content)
         assert answer["unit"] in ("celsius", "fahrenheit") and answer["days"] in (1, 2, 3) and len(answer) == 2
         assert response.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("seed, name, schema", [(i, *named) for i, named in enumerate(varied_schemas(8))])
+def test_response_format_strict_schemas_of_every_shape_give_valid_json(qwen, seed, name, schema):
+    client, _ = qwen
+    response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    response = client.chat.completions.create(model="tiny-qwen", messages=ASK, response_format=response_format,
+                                              max_tokens=300, temperature=1.0, seed=seed)
+    assert response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
 
 
 def test_response_format_json_object_and_forced_call_do_not_mix(recorded):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,8 +34,11 @@ class ToolParser:
     markers: ClassVar[tuple[str, ...]]  # where a tool-call span may start
     needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens the decoder would drop
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict] | None = None, added_tokens: Mapping[str, int] | None = None,
+                 template: str = "") -> None:
         self.tools = tools or []  # OpenAI function definitions (a format without JSON needs their types)
+        self.added_tokens = added_tokens or {}  # the tokenizer's added tokens: text -> id
+        self.template = template  # the chat template's source, where a format has variants
 
     def match(self, text: str, final: bool) -> Match | None:
         """`text` starts with a marker. None: not decided yet, more output may complete it.
@@ -49,16 +53,54 @@ class ToolParser:
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
+    def literal(self, text: str) -> str:
+        """`text` in a Lark grammar: the added token where the tokenizer has one (a model writes its
+        markers as those), else the text."""
+        token = self.added_tokens.get(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
+
+    def call_rules(self, tools: list[dict], name: str | None, call_rule: Callable[[dict], str]) -> str:
+        """Lark rules: `call` is one of `tools` (only `name`, if given), each written by `call_rule`
+        from its function definition (each its own rule: `%json` stands alone in a rule)."""
+        bodies = [call_rule(f) for f in functions(tools, name)]
+        rules = [f"call_{i}: {body}" for i, body in enumerate(bodies)]
+        return f"call: {' | '.join(f'call_{i}' for i in range(len(bodies)))}\n" + "\n".join(rules) + "\n"
+
+    def prompt_tools(self, tools: list[dict]) -> str | None:
+        """The tool list as text for the system prompt, for a template that takes tool calls but does
+        not render a tool list itself; None where this format's templates render it."""
+        return None
+
 
 def call_schema(tools: list[dict], name: str | None) -> dict:
     """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given)."""
     options = [
         {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-         "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
-        for f in (tool["function"] for tool in tools) if name is None or f["name"] == name
+         "properties": {"name": {"const": f["name"]}, "arguments": parameters_schema(f)}}
+        for f in functions(tools, name)
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": COMPACT}
+
+
+def functions(tools: list[dict], name: str | None) -> list[dict]:
+    """The function definitions of `tools` (only the one called `name`, if given)."""
+    return [f for f in (tool["function"] for tool in tools) if name is None or f["name"] == name]
+
+
+def parameters_schema(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object"}
+
+
+def arguments_rule(function: dict) -> str:
+    """A Lark rule body for a call's arguments as JSON: valid under the function's `parameters`."""
+    return json_rule(parameters_schema(function))
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark rule body for JSON that `schema` accepts, written as templates show JSON."""
+    return f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
+
 
 
 def malformed(text: str, end: int | None = None) -> Match:

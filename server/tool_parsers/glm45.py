@@ -1,16 +1,28 @@
 """GLM-4.5: `<tool_call>NAME\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>`.
 
 Values are bare text: a parameter the tool declares as a string stays text, any other is read as
-JSON where it parses (numbers, booleans, objects) and kept as text where it does not."""
+JSON where it parses (numbers, booleans, objects) and kept as text where it does not. A forced
+call's grammar writes the declared parameters in the schema's order (the optional ones may be left
+out); a string's `enum`, `const`, length bounds and `pattern` are kept, its `format` is not."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
-from server.tool_parsers.base import Match, ToolParser, function_call, loads, malformed
+from server.tool_parsers.base import (
+    Match,
+    ToolParser,
+    function_call,
+    json_rule,
+    loads,
+    malformed,
+    parameters_schema,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+KEY, END_KEY, VALUE, END_VALUE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
@@ -43,6 +55,35 @@ class Glm45Parser(ToolParser):
                 properties = (function.get("parameters") or {}).get("properties") or {}
                 return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
         return {}
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        return (f"start: {self.literal(OPEN)} call {self.literal(CLOSE)}\n" +
+                self.call_rules(tools, name, self._call_rule))
+
+    def _call_rule(self, function: dict) -> str:
+        schema = parameters_schema(function)
+        required = set(schema.get("required") or ())
+        pairs = [self._pair_rule(key, spec if isinstance(spec, dict) else {}, key in required)
+                 for key, spec in (schema.get("properties") or {}).items()]
+        return " ".join([json.dumps(function["name"] + "\n", ensure_ascii=False), *pairs])
+
+    def _pair_rule(self, key: str, spec: dict, required: bool) -> str:
+        pair = (f"{self.literal(KEY)} {json.dumps(key, ensure_ascii=False)} {self.literal(END_KEY)} "
+                f'"\\n" {self.literal(VALUE)} {_value_rule(spec)} {self.literal(END_VALUE)} "\\n"')
+        return f"({pair})" if required else f"({pair})?"
+
+
+def _value_rule(spec: dict) -> str:
+    """A value as the template writes it: a declared string bare, anything else as JSON."""
+    if spec.get("type") != "string":
+        return json_rule(spec)
+    choices = [spec["const"]] if "const" in spec else spec.get("enum")
+    if choices:
+        return "(" + " | ".join(json.dumps(str(c), ensure_ascii=False) for c in choices) + ")"
+    if "pattern" in spec:
+        return "/" + spec["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+    low, high = spec.get("minLength", 0), spec.get("maxLength", "")
+    return f"/[^<]{{{low},{high}}}/"  # no markup: the value ends at its closing tag
 
 
 def _value(text: str, declared: Any) -> Any:

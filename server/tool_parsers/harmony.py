@@ -7,11 +7,12 @@ may also stand before `<|channel|>`). The `final` channel and commentary without
 
 from __future__ import annotations
 
+import json
 import re
 
-from server.tool_parsers.base import Match, ToolParser, function_call, malformed
+from server.tool_parsers.base import Match, ToolParser, arguments_rule, function_call, malformed
 
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 _TERMINATOR = re.compile(r"<\|end\|>|<\|call\|>|<\|return\|>")
 _RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_.\-]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
@@ -40,3 +41,13 @@ class HarmonyParser(ToolParser):
         if channel is not None and channel.group(1) == "analysis":
             return Match(end)
         return Match(end, content=body)
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        """One commentary message to a function; generation ends after it (`<|call|>` is a stop token)."""
+        return (f'start: {self.literal(CHANNEL)} "commentary to=functions." call\n' +
+                self.call_rules(tools, name, self._call_rule))
+
+    def _call_rule(self, function: dict) -> str:
+        recipient = json.dumps(f"{function['name']} ", ensure_ascii=False)
+        arguments = arguments_rule(function)
+        return f'{recipient} {self.literal(CONSTRAIN)} "json" {self.literal(MESSAGE)} {arguments}'

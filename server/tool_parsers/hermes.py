@@ -25,5 +25,5 @@ class HermesParser(ToolParser):
         return Match(end, (call,)) if call else malformed(text, end)
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
-        schema = json.dumps(call_schema(tools, name))
-        return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {schema}\n'
+        return (f'start: {self.literal(OPEN)} "\\n" call "\\n" {self.literal(CLOSE)}\n'
+                f"call: %json {json.dumps(call_schema(tools, name))}\n")

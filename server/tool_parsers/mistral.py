@@ -7,7 +7,15 @@ import random
 import re
 import string
 
-from server.tool_parsers.base import Match, ToolParser, decode_prefix, function_call, malformed
+from server.tool_parsers.base import (
+    Match,
+    ToolParser,
+    call_schema,
+    decode_prefix,
+    function_call,
+    json_rule,
+    malformed,
+)
 
 MARKER = "[TOOL_CALLS]"
 _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
@@ -47,6 +55,10 @@ class MistralParser(ToolParser):
         value, end = decoded
         call = function_call(name, value)
         return Match(args_at + end, (call,)) if call else malformed(text, args_at + end)
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        """The v3 list (as Mixtral-8x22B's template writes calls) with one call in it."""
+        return f'start: {self.literal(MARKER)} " [" call "]"\ncall: {json_rule(call_schema(tools, name))}\n'
 
     def new_call_id(self) -> str:
         # Mistral's templates refuse any other id in the history: nine letters or digits

@@ -1,0 +1,87 @@
+"""The host executor (`--cpu-experts`, issue 13): on a GPU machine some missed experts are
+computed on the host cores from their host buffers while the link copies others.
+
+No GPU here: the engine runs with device slots that are plain host tensors (`SlotBackend` on
+the CPU), which is the CUDA code path but for the device, and the planner is given costs."""
+
+import pytest
+
+import engine.model_loader as model_loader
+from cache.expert_cache import ExpertCache, SlotBackend
+from cache.miss_planner import MissCosts, MissPlanner
+from cache.replay import replay
+from cache.stats import CacheStats
+from cache.timed import LinkSpec
+from cache.trace import load_trace
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.fixtures.models import build_checkpoint, reference_greedy
+from tests.test_engine_equivalence import NEW_TOKENS, PROMPT, greedy
+
+DEMO_TRACE = "bench/traces/demo-smollm2-moe.trace.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("costs", "misses", "on_host"),
+    [
+        (MissCosts(copy_ms=6.4, host_ms=7.0), [3, 5], [5]),  # H200 host: one each
+        (MissCosts(copy_ms=6.4, host_ms=7.0), [3], []),  # a lone miss goes to the faster lane
+        (MissCosts(copy_ms=14.1, host_ms=5.9), [1, 2, 3, 4], [1, 2, 4]),  # desktop PCIe 4: the host takes most
+        (MissCosts(copy_ms=1.0, host_ms=10.0), [1, 2, 3, 4], []),  # a slow host is never used
+    ],
+)
+def test_planner_sends_each_miss_to_the_lane_that_finishes_it_sooner(costs, misses, on_host):
+    assert MissPlanner(costs).split(misses) == on_host
+
+
+def test_gain_needs_a_host_faster_than_two_copies():
+    assert MissCosts(copy_ms=6.4, host_ms=7.0).gains()
+    assert not MissCosts(copy_ms=1.0, host_ms=2.5).gains()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_host_computed_experts_give_transformers_tokens(family, tmp_path, monkeypatch):
+    folder = build_checkpoint(family, tmp_path / family, num_layers=3)
+
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers):
+        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
+
+    monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+    for experts in engine.loaded.offloaded:
+        experts.host_capable = True  # what a CUDA pool gets
+    engine.runtime.planner = MissPlanner(MissCosts(copy_ms=1.0, host_ms=1.0))  # two misses: one each
+    prompt_ids = engine.encode(PROMPT)
+    before = engine.cache_counters()
+    assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
+    after = engine.cache_counters()
+    computed = after["cpu_computed"] - before["cpu_computed"]
+    assert computed > 0 and computed <= after["misses"] - before["misses"]
+    info = engine.cache_info()["cpu_experts"]
+    assert info["computed"] == after["cpu_computed"] and 0 < info["share_of_expert_uses"] < 1
+
+
+def test_cpu_experts_flag_is_validated():
+    with pytest.raises(ValueError, match="cpu_experts"):
+        EngineConfig(cpu_experts="always")
+    assert EngineConfig().cpu_experts == "auto"
+
+
+def test_timed_replay_with_the_host_executor_is_faster_and_moves_fewer_bytes():
+    header, requests = load_trace(DEMO_TRACE)
+    requests = requests[:8]
+    copy_only = LinkSpec(link_gbps=25.0, compute_ms=1.6)
+    with_host = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=60.0)
+    capacity = header.num_layers * header.num_experts // 4
+    off = replay(header, requests, "sparsity-aware", capacity, False, copy_only)
+    on = replay(header, requests, "sparsity-aware", capacity, False, with_host)
+    assert off["decode_cpu_computed"] == 0 < on["decode_cpu_computed"] <= on["decode_misses"]
+    assert on["tpot_ms"] < off["tpot_ms"]
+    assert on["link_gb_per_decode_token"] < off["link_gb_per_decode_token"]
+
+
+def test_timed_replay_keeps_copying_when_the_host_is_slow():
+    header, requests = load_trace(DEMO_TRACE)
+    slow_host = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=5.0)  # 70 ms an expert: no gain
+    result = replay(header, requests[:4], "lru", header.num_layers * header.num_experts // 4, False, slow_host)
+    assert result["decode_cpu_computed"] == 0

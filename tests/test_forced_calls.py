@@ -1,0 +1,95 @@
+"""Forced tool calls (`tool_choice` required or a named function) in every tool-call format but Hermes
+(tested in test_constraint.py): a tiny random model with that family's tokenizer markers and a
+template in its shape. Whatever the random model prefers, the output parses back as exactly one call
+to an offered function, its arguments valid under the function's JSON schema, its markers written as
+the tokenizer's added tokens where it has them."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.constraint import added_token_ids
+from engine.engine import Engine
+from server import protocol as p
+from server.tools import plan_tools
+from tests.fixtures import tool_templates
+from tests.fixtures.models import build_checkpoint
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "description": "Temperature unit", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["unit", "days"],
+    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 3},
+                   "note": {"type": "string", "maxLength": 8}}}}}
+COLOR = {"type": "function", "function": {"name": "pick_color", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["color", "bright"],
+    "properties": {"color": {"type": "string", "enum": ["red", "green"]}, "bright": {"type": "boolean"}}}}}
+TOOLS = [UNIT, COLOR]
+ASK = [{"role": "user", "content": "Set it up, please."}]
+
+# format: (model family, tokenizer kind, template, a marker that must come out as its one added token)
+FORMATS = {
+    "mistral": ("mixtral", "mistral_v3", tool_templates.MISTRAL_TOOLS_TEMPLATE, "[TOOL_CALLS]"),
+    "deepseek_v3": ("deepseek_v3", "deepseek", tool_templates.DEEPSEEK_V3_TOOLS_TEMPLATE, "<｜tool▁calls▁begin｜>"),
+    "harmony": ("qwen3_moe", "harmony", tool_templates.HARMONY_TOOLS_TEMPLATE, "<|channel|>"),
+    "glm45": ("qwen3_moe", "glm45", tool_templates.GLM45_TOOLS_TEMPLATE, "<tool_call>"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def model(request, tmp_path_factory):
+    family, kind, template, marker = FORMATS[request.param]
+    folder = build_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{request.param}"), tokenizer=kind, num_layers=2)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+    yield request.param, engine, marker
+    engine.close()
+
+
+def forced_call(engine: Engine, choice, seed: int, temperature: float = 1.0):
+    """Runs the request as the chat route does; returns the plan, the prompt, the output and the stream."""
+    request = p.ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice=choice)
+    plan = plan_tools(request, engine.chat_template_info, "auto", added_token_ids(engine.tokenizer))
+    prompt = engine.apply_chat_template(plan.messages(request.engine_messages()), plan.tools)
+    params = plan.sampling_params(SamplingParams(max_tokens=80, temperature=temperature, seed=seed))
+    events = list(engine.generate(GenerationRequest("forced", prompt, params)))
+    stream = plan.stream()
+    content = "".join(piece for piece in stream.feed("".join(e.text for e in events)) + stream.finish()
+                      if isinstance(piece, str))
+    return plan, prompt, events, content, stream.calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_gives_one_schema_valid_call_whatever_the_model_prefers(model, seed):
+    name, engine, marker = model
+    plan, _, events, content, calls = forced_call(engine, "required", seed)
+    assert plan.parser.name == name  # detected from the template
+    assert events[-1].finish_reason == "stop" and content.strip() == ""
+    (call,) = calls
+    function = {"set_unit": UNIT, "pick_color": COLOR}[call.name]["function"]
+    jsonschema.validate(json.loads(call.arguments), function["parameters"])
+    if marker is not None:  # written as its one token, as prompts show it to the model
+        assert engine.tokenizer.convert_tokens_to_ids(marker) in [t for e in events for t in e.token_ids]
+
+
+def test_named_function_is_the_one_called_greedy(model):
+    _, engine, _ = model
+    _, _, events, _, calls = forced_call(engine, {"type": "function", "function": {"name": "pick_color"}}, 0, 0.0)
+    (call,) = calls
+    assert call.name == "pick_color" and events[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.arguments), COLOR["function"]["parameters"])
+
+
+def test_the_tool_list_reaches_the_prompt(model):
+    name, engine, _ = model
+    plan, prompt, _, _, _ = forced_call(engine, "required", 0)
+    plain = engine.apply_chat_template(ASK)
+    text = engine.decode(prompt, skip_special_tokens=False)
+    assert len(prompt) > len(plain) + 40 and "pick_color" in text and '"maxLength": 8' in text
+    assert (plan.system_text is not None) == (name == "deepseek_v3")  # the only template that leaves it out
