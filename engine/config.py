@@ -34,7 +34,7 @@ class EngineConfig:
     record_trace: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4
-    expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 64
+    expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -23,7 +23,7 @@ def default_eamc_path(model_identity: str) -> Path:
 
 
 def default_quant_path(model_identity: str, form: str) -> Path:
-    """The quantized experts of a model in one form (e.g. `int4-g64-cpu`), beside the EAMC files."""
+    """The quantized experts of a model in one form (e.g. `int4-g32-cpu`), beside the EAMC files."""
     return state_dir() / "experts" / f"{_file_stem(model_identity)}-{form}.moeq"
 
 
