@@ -11,8 +11,9 @@ run wait a whole pass, so they go first and the rest stay. The second term is a
 learned estimate, conditioned on two signals:
 - recency: passes since (l, e) was last used (its age);
 - request-level prediction: the expected share of this request's tokens that use
-  (l, e), from the request's own decode counts so far blended with a prior predicted
-  by matching the request's rEAM against the EAMC (past requests of the same kind).
+  (l, e), from the request's own decode counts so far blended with a prior that mixes
+  the EAMC entries matching the request's rEAM (past requests of the same kind), the
+  traffic's global popularity and the request's own prompt routing (`SharePredictor`).
 It comes from a hazard table per (prediction bucket, age bin) — the chance of use per
 pass — learned online from every use and every pass an expert waits (so it calibrates
 itself to the model and traffic at hand), and counts only reuses within a horizon of
@@ -130,17 +131,29 @@ class ReuseModel:
         return (later * np.exp(np.minimum(rel, 0.0)) * within).sum(axis=2)  # [B, A]
 
 
+def simplex_grid(parts: int, steps: int) -> np.ndarray:
+    """Every mix of `parts` weights in multiples of 1/steps that sum to 1."""  # [M, parts]
+    grid = np.stack(np.meshgrid(*[np.arange(steps + 1)] * parts, indexing="ij"), axis=-1).reshape(-1, parts)
+    return grid[grid.sum(axis=1) == steps] / steps
+
+
 class SharePredictor:
     """Request-level prediction: each (layer, expert)'s expected share of the request's tokens.
 
-    share = (decode counts so far + w × prior) / (decode tokens so far + w), where the
-    prior comes from the EAMC entries most similar to the request (re-matched every
-    `rematch_every` tokens) and w, the weight of the prior in tokens of evidence, is the
-    one of `PRIOR_WEIGHTS` that has predicted past tokens best (so a poor EAMC, or
-    traffic without request kinds, automatically counts for little).
+    share = (decode counts so far + w × prior) / (decode tokens so far + w). The prior mixes
+    three guesses of the request's routing, each normalised to top_k per layer:
+    - the EAMC entries most similar to the request (re-matched every `rematch_every` tokens);
+    - global popularity: all past requests' decode uses, decayed per request (the EAMC keeps
+      one entry per kind of request, so its mean is not the traffic's popularity);
+    - the request's own prompt: the share of its prompt tokens routed to each expert.
+    The weight w (in tokens of evidence) and the mix are the pair of `PRIOR_WEIGHTS` ×
+    `MIXES` that has predicted past tokens best (decayed log-likelihood), so whichever
+    guess the model and traffic at hand reward counts most, and a poor one counts little.
     """
 
     PRIOR_WEIGHTS = (1.0, 4.0, 16.0, 64.0, 256.0)
+    MIXES = simplex_grid(3, 4)  # [M, 3] weights of (EAMC match, popularity, prompt)
+    POPULARITY_DECAY = 0.98  # per request
 
     def __init__(self, eamc: EAMC, match_top: int = 3, rematch_every: int = 16) -> None:
         self.eamc = eamc
@@ -148,23 +161,25 @@ class SharePredictor:
         self.rematch_every = rematch_every
         shape = (eamc.num_layers, eamc.num_experts)
         self.prior = np.full(shape, 1.0 / eamc.num_experts, dtype=np.float32)  # [L, E]
-        self.scores = np.zeros(len(self.PRIOR_WEIGHTS))  # decayed log-likelihood per weight
-        self.weight = 16.0
+        self.scores = np.zeros((len(self.PRIOR_WEIGHTS), len(self.MIXES)))  # decayed log-likelihood
+        self.weight, self.mix = 16.0, np.array([0.75, 0.25, 0.0])  # before any evidence
+        self._popularity = np.zeros(shape)  # [L, E] decayed decode uses
         self._top_k = 1
+        self._components = np.zeros((3, *shape))  # [3, L, E] the guesses the prior mixes
         self._checkpoint: tuple[np.ndarray, int, np.ndarray] | None = None
 
     def start(self, top_k: int) -> np.ndarray:
-        """A new request: the prior is what an average past request looked like."""
+        """A new request: the prior is the traffic's popularity."""
         self._top_k = top_k
-        self.prior = self._base()
+        self.prior = self._normalised(self._popularity)
         self._checkpoint = None
         return self.prior
 
-    def _base(self) -> np.ndarray:
-        """What an average past request looked like (a uniform router before any)."""  # [L, E]
-        if len(self.eamc) == 0:
-            return np.full_like(self.prior, self._top_k / self.eamc.num_experts)
-        return self.eamc.mean_decode_probability()
+    def _normalised(self, counts: np.ndarray) -> np.ndarray:
+        """Rows scaled to sum to top_k (uniform where a row is empty)."""  # [L, E]
+        sums = counts.sum(axis=-1, keepdims=True)
+        uniform = self._top_k / counts.shape[-1]
+        return np.where(sums > 0, counts * (self._top_k / np.maximum(sums, 1e-12)), uniform)
 
     def update(self, request: RequestEAM) -> np.ndarray:
         """The share at the start of a decode pass (re-matching on schedule)."""  # [L, E]
@@ -172,35 +187,42 @@ class SharePredictor:
         if t % self.rematch_every == 0:
             self._score(request)
             self._rematch(request)
-            self._checkpoint = (request.decode.copy(), t, self.prior)
+            self._checkpoint = (request.decode.copy(), t, self._components.copy())
         return (request.decode + self.weight * self.prior) / (t + self.weight)
 
     def end(self, request: RequestEAM) -> None:
         self._score(request)
         if request.decode_tokens > 0:
             self.eamc.add_request(request)
+            self._popularity = self.POPULARITY_DECAY * self._popularity + request.decode
 
     def _rematch(self, request: RequestEAM) -> None:
-        if not len(self.eamc):
-            return
-        t = request.decode_tokens
-        decode_weight = t / (t + self.rematch_every)  # the prompt first, then the request's own tokens
-        idx, sims = self.eamc.match(request.prefill, request.decode, decode_weight, top=self.match_top)
-        self.prior = 0.8 * self.eamc.decode_probability(idx, sims) + 0.2 * self._base()
+        popularity = self._normalised(self._popularity)
+        matched = popularity
+        if len(self.eamc):
+            t = request.decode_tokens
+            decode_weight = t / (t + self.rematch_every)  # the prompt first, then the request's own tokens
+            idx, sims = self.eamc.match(request.prefill, request.decode, decode_weight, top=self.match_top)
+            matched = self._normalised(self.eamc.decode_probability(idx, sims))
+        prompt = self._normalised(request.prefill) if request.prefill_tokens else popularity
+        self._components = np.stack([matched, popularity, prompt])  # [3, L, E]
+        self.prior = np.tensordot(self.mix, self._components, axes=1)
 
     def _score(self, request: RequestEAM) -> None:
-        """Credit each prior weight with the log-likelihood of the tokens since the last checkpoint."""
+        """Credit each (prior weight, mix) with the log-likelihood of the tokens since the last checkpoint."""
         if self._checkpoint is None:
             return
-        counts, t, prior = self._checkpoint
+        counts, t, components = self._checkpoint
         new = request.decode - counts  # [L, E]
-        if new.sum() <= 0:
+        used = np.flatnonzero(new > 0)
+        if used.size == 0:
             return
-        for i, w in enumerate(self.PRIOR_WEIGHTS):
-            share = (counts + w * prior) / (t + w)
-            share = share / share.sum(axis=1, keepdims=True)
-            self.scores[i] = 0.98 * self.scores[i] + float((new * np.log(np.maximum(share, 1e-9))).sum())
-        self.weight = self.PRIOR_WEIGHTS[int(np.argmax(self.scores))]
+        priors = self.MIXES @ components.reshape(3, -1)[:, used]  # [M, U]
+        weights = np.asarray(self.PRIOR_WEIGHTS)[:, None, None]  # [W, 1, 1]
+        share = (counts.ravel()[used] + weights * priors) / (t + weights)  # [W, M, U], rows sum to top_k
+        self.scores = 0.98 * self.scores + (np.log(np.maximum(share, 1e-9)) * new.ravel()[used]).sum(axis=2)
+        w, m = np.unravel_index(int(np.argmax(self.scores)), self.scores.shape)
+        self.weight, self.mix = self.PRIOR_WEIGHTS[w], self.MIXES[m]
 
 
 class SparsityAwarePolicy(Policy):

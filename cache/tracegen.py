@@ -10,7 +10,10 @@ one of the last 8 tokens' experts, or draws a fresh one from the request's distr
 these choices are correlated across the layers of a token (repetitive stretches of text
 repeat at every layer). Prompt tokens draw from a mix of the request's and the global
 distribution. The parameters of each shape are calibrated with `trace_stats` to the
-statistics of real decode traces (DESIGN.md; see `REAL_DECODE_STATS`).
+statistics of real decode traces (DESIGN.md; see `REAL_DECODE_STATS`); the presets
+`llama4-like`, `deepseek-v2-lite-like` and `mixtral-like` are fitted with
+`cache.trace_stats` to issue 12's three real traces (`REAL_TRACE_STATS`). Generated tokens
+per request are fixed, or log-normal around a median (`decode_sigma`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class ShapeParams:
     layer_corr: float  # correlation of those choices across the layers of one token
     groups: int = 20
     group_zipf: float = 1.0
-    decode_tokens: int = 128
+    decode_tokens: int = 128  # generated tokens per request (the median when decode_sigma > 0)
+    decode_sigma: float = 0.0  # log-normal spread of the generated tokens per request (0: all alike)
+    decode_max: int = 512
     prompt_median: float = 48.0
     prompt_sigma: float = 0.8
     prompt_max: int = 512
@@ -73,6 +78,32 @@ SHAPES: dict[str, ShapeParams] = {
         32, 8, 2, base_zipf=0.5, group_sigma=0.33, request_sigma=0.15, sharpness=0.69,
         sharpness_sigma=0.17, p_same=0.12, p_recent=0.15, layer_corr=0.5,
     ),
+    # Presets fitted with `cache.trace_stats` to issue 12's statistics of three real decode
+    # traces (bench/RESULTS.md has the two tables side by side).
+    "llama4-like": ShapeParams(  # Llama-4-Maverick: 24 L × 128 E, top-1, 128 tokens (MMLU)
+        24, 128, 1, base_zipf=0.62, group_sigma=1.10, request_sigma=0.30, sharpness=1.62,
+        sharpness_sigma=0.2, p_same=0.20, p_recent=0.075, layer_corr=0.5,
+    ),
+    "deepseek-v2-lite-like": ShapeParams(  # 26 L × 64 E, top-6; short requests with a long tail
+        26, 64, 6, base_zipf=0.15, group_sigma=1.10, request_sigma=0.37, sharpness=0.8,
+        sharpness_sigma=0.2, p_same=0.11, p_recent=0.05, layer_corr=0.5,
+        decode_tokens=27, decode_sigma=1.6,
+    ),
+    "mixtral-like": ShapeParams(  # Mixtral-8x7B: 32 L × 8 E, top-2, ~123 tokens per request
+        32, 8, 2, base_zipf=0.7, group_sigma=0.33, request_sigma=0.25, sharpness=0.69,
+        sharpness_sigma=0.17, p_same=0.14, p_recent=0.15, layer_corr=0.5, decode_tokens=123,
+    ),
+}
+
+# Issue 12's statistics of the real decode traces the presets stand in for (`cache.trace_stats`).
+REAL_TRACE_STATS = {
+    "llama4-like": {"tokens_median": 128, "first_use_share": 0.21, "reuse_p50": 2, "reuse_p90": 26,
+                    "same_as_previous": 0.33, "distinct_median": 27, "top10_share": 0.54, "nearest_cosine": 0.83},
+    "deepseek-v2-lite-like": {"tokens_median": 27, "first_use_share": 0.09, "reuse_p50": 4, "reuse_p90": 21,
+                              "same_as_previous": 0.26, "distinct_median": 47, "top10_share": 0.15,
+                              "nearest_cosine": 0.84},
+    "mixtral-like": {"tokens_median": 123, "first_use_share": 0.03, "reuse_p50": 2, "reuse_p90": 9,
+                     "same_as_previous": 0.37, "distinct_median": 8, "top10_share": 0.17, "nearest_cosine": 0.94},
 }
 
 
@@ -95,13 +126,24 @@ def generate_with_truth(params: ShapeParams, num_requests: int, seed: int, model
     logits = group_logits[group_of] + params.request_sigma * rng.standard_normal((num_requests, L, E))
     sharp = params.sharpness * np.exp(params.sharpness_sigma * rng.standard_normal((num_requests, L, 1)))
     request_dist = _softmax(sharp * logits)  # [R, L, E]
-    decode = _decode_tokens(rng, params, request_dist)  # [R, T, L, K]
+    lengths = _decode_lengths(seed, params, num_requests)  # [R]
+    decode = _decode_tokens(rng, replace(params, decode_tokens=int(lengths.max())), request_dist)  # [R, T, L, K]
     requests = []
     for r in range(num_requests):
         prompt = _prompt_tokens(rng, params, request_dist[r], base)
-        requests.append(TraceRequest(f"req-{r:05d}-g{group_of[r]:02d}", prompt, decode[r]))
+        requests.append(TraceRequest(f"req-{r:05d}-g{group_of[r]:02d}", prompt, decode[r, : lengths[r]].copy()))
     header = TraceHeader(model or f"synthetic-{E}x{L}-top{params.top_k}", L, E, params.top_k)
     return header, requests, request_dist
+
+
+def _decode_lengths(seed: int, params: ShapeParams, num_requests: int) -> np.ndarray:
+    """Generated tokens per request; drawn from their own stream so that fixed lengths leave
+    the routing of a seed unchanged."""
+    if params.decode_sigma <= 0:
+        return np.full(num_requests, params.decode_tokens, dtype=np.int64)
+    rng = np.random.default_rng([seed, 1])
+    draws = rng.lognormal(math.log(params.decode_tokens), params.decode_sigma, num_requests)
+    return np.clip(np.round(draws), 1, params.decode_max).astype(np.int64)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -236,7 +278,7 @@ def _reuse_counts(dec: np.ndarray, window: int = 8) -> tuple[int, int, int]:
     valid = cur >= 0
     same = (cur[..., :, None] == dec[:-1, :, None, :]).any(-1)
     recent = same.copy()
-    for back in range(2, window + 1):
+    for back in range(2, min(window, T - 1) + 1):
         hit = (cur[back - 1 :, ..., None] == dec[: T - back, :, None, :]).any(-1)
         recent[back - 1 :] |= hit
     return int((same & valid).sum()), int((recent & valid).sum()), int(valid.sum())
@@ -263,14 +305,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="many-small")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--decode-tokens", type=int, default=None, help="generated tokens per request (128)")
+    parser.add_argument("--decode-tokens", type=int, default=None, help="generated tokens of every request (default: the shape's)")
     parser.add_argument("--groups", type=int, default=None, help="activation groups (request kinds)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--stats", action="store_true", help="print the trace's decode statistics")
     args = parser.parse_args(argv)
     params = SHAPES[args.shape]
     if args.decode_tokens is not None:
-        params = replace(params, decode_tokens=args.decode_tokens)
+        params = replace(params, decode_tokens=args.decode_tokens, decode_sigma=0.0)
     if args.groups is not None:
         params = replace(params, groups=args.groups)
     header, requests = generate(params, args.requests, args.seed, model=f"synthetic-{args.shape}")

@@ -170,7 +170,8 @@ def test_prefetch_through_the_cache_displaces_only_later_needs():
 
 @pytest.mark.parametrize(
     "shape, fracs",
-    [("many-small", (0.05, 0.25)), ("many-small-64", (0.1,)), ("few-large", (0.1, 0.22, 0.5))],
+    [("many-small", (0.05, 0.25)), ("many-small-64", (0.1,)), ("few-large", (0.1, 0.22, 0.5)),
+     ("llama4-like", (0.1,)), ("deepseek-v2-lite-like", (0.1,)), ("mixtral-like", (0.5,))],
 )
 def test_sparsity_aware_never_worse_than_lru_on_synthetic_traces(shape, fracs):
     header, requests = generate(SHAPES[shape], 40, seed=7)
