@@ -24,8 +24,10 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -116,15 +118,20 @@ def decode_arrays(header: dict, payload: bytes) -> dict[str, np.ndarray]:
 
 
 def save_eamc(path: str | os.PathLike, eamc: EAMC, fingerprint: ModelFingerprint) -> None:
-    """Write atomically: temp file in the same folder, fsync, rename over, fsync the folder."""
-    path = Path(path)
+    """Write atomically (see `write_atomically`)."""
+    data = encode(eamc, fingerprint)
+    write_atomically(Path(path), lambda f: f.write(data))
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write(file)` into a temp file in the same folder, fsync, rename over `path`, fsync the folder:
+    a reader sees the old file or the whole new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(path)
-    data = encode(eamc, fingerprint)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

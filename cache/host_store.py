@@ -1,7 +1,8 @@
 """The host tier: every expert's weights as one contiguous buffer in RAM, or read from disk.
 
 An expert buffer holds the expert's parameters flat, in `ExpertLayout` order, in the
-compute dtype; on CUDA it is pinned so that host→device copies run asynchronously.
+compute dtype (quantized experts: uint8, as a `cache.quant.QuantLayout` places them); on
+CUDA it is pinned so that host→device copies run asynchronously.
 With a RAM budget smaller than all experts, the store keeps a bounded LRU tier of
 buffers and reads the rest from the safetensors files on demand.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from cache.policy import ExpertKey
+from cache.quant import QuantLayout
 from cache.safetensors_index import TensorLocation, read_into
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ class HostStore:
     def __init__(
         self,
         sources: dict[ExpertKey, list[Segment]],
-        layout: ExpertLayout,
+        layout: ExpertLayout | QuantLayout,  # `numel`: the elements of one expert buffer
         dtype: torch.dtype,
         capacity: int | None = None,
         pin_memory: bool = False,

@@ -96,7 +96,7 @@ def read_config_dict(folder: Path) -> dict:
         method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
         raise CheckpointError(
             f"{folder} holds a quantized checkpoint ({method}); moe-serve loads unquantized "
-            f"(bf16/fp16/fp32) checkpoints only"
+            f"(bf16/fp16/fp32) checkpoints only: use the unquantized release with --expert-dtype int8 or int4"
         )
     check_config_sizes(config, config_path)
     return config

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
+EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
 MAX_NAME_CHARS = 256
 
 
@@ -32,6 +33,8 @@ class EngineConfig:
     eamc_capacity: int = 256  # cache/eamc.py DEFAULT_CAPACITY: no gain beyond ~100 entries in replay
     record_trace: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4
+    expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +45,10 @@ class EngineConfig:
             raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, not {self.cpu_experts!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert-dtype must be one of {', '.join(EXPERT_DTYPES)}, not {self.expert_dtype!r}")
+        if self.expert_group_size is not None and self.expert_group_size < 0:
+            raise ValueError(f"expert-group-size must be 0 (per channel) or positive, not {self.expert_group_size}")
         if self.served_model_name is not None and not _is_printable_name(self.served_model_name):
             raise ValueError(f"served-model-name must be 1 to {MAX_NAME_CHARS} printable characters, "
                              f"not {self.served_model_name!r}")

@@ -24,6 +24,7 @@ from cache.eamc import EAMC
 from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
 from cache.miss_planner import MissCosts, MissPlanner
 from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
+from cache.quant import DEFAULT_GROUP_SIZE, QUANT_DTYPES, QuantLayout
 from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
@@ -38,9 +39,9 @@ from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from engine.model_loader import CacheSizing, OffloadedModel, load_offloaded_model
+from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
 from engine.moe_layers import router_top_k
-from engine.paths import default_eamc_path
+from engine.paths import default_eamc_path, default_quant_path
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 from engine.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -97,7 +98,8 @@ class Engine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, folder, device)
         sizing = CacheSizing(config.expert_cache_experts, config.expert_cache_gb, config.host_cache_gb)
-        loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy)
+        quant = _quant_request(config, folder, device)
+        loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy, quant)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         engine = cls(loaded, tokenizer, config, device)
         engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
@@ -316,6 +318,8 @@ class Engine:
             "num_moe_layers": self.runtime.num_layers,
             "experts_per_layer": self.runtime.num_experts,
             "top_k": self.runtime.top_k,
+            "expert_dtype": self.loaded.quant.expert_dtype if self.loaded.quant else str(self.loaded.host.dtype).removeprefix("torch."),
+            "expert_group_sizes": _group_sizes(self.loaded.quant),
             "bytes_per_expert": self.loaded.host.bytes_per_expert,
             "host_tier": {  # on CPU the cache's slots are the RAM tier
                 "capacity_experts": self.runtime.cache.capacity if self.device.type == "cpu" else self.loaded.host.capacity,
@@ -395,6 +399,17 @@ def _model_folder(config: EngineConfig) -> Path:
     return resolve_model_path(config.model)
 
 
+def _quant_request(config: EngineConfig, folder: Path, device: torch.device) -> QuantRequest | None:
+    """`--expert-dtype int8|int4`: which form, and its file under the state folder (one per form and device)."""
+    if config.expert_dtype not in QUANT_DTYPES:
+        return None  # auto, bf16: the checkpoint's weights in --dtype
+    group = DEFAULT_GROUP_SIZE[config.expert_dtype] if config.expert_group_size is None else config.expert_group_size
+    digest = checkpoint_digest(folder)
+    form = f"{config.expert_dtype}-g{group or 'channel'}-{device.type}"
+    path = default_quant_path(f"{config.model or DEMO_MODEL_NAME}|{digest}", form)
+    return QuantRequest(config.expert_dtype, group, path, digest)
+
+
 def _eamc_saver(engine: Engine, policy) -> EAMCAutosaver:
     """Load the saved EAMC into the policy (if it belongs to this model) and return its saver."""
     runtime, config = engine.runtime, engine.config
@@ -445,6 +460,11 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
 
 def _with_usage(event: GenerationEvent, usage: Usage) -> GenerationEvent:
     return GenerationEvent(event.text, event.token_ids, event.logprobs, event.finish_reason, usage)
+
+
+def _group_sizes(layout: QuantLayout | None) -> dict[str, int] | None:
+    """Weights per scale of each quantized expert weight (a size that did not divide a row shrank)."""
+    return None if layout is None else {t.name: t.group_size for t in layout.tensors if t.packing != "raw"}
 
 
 def _rate(hits: int, misses: int) -> float | None:

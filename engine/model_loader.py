@@ -16,8 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
 from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
-from cache.host_store import ExpertLayout, HostStore
-from cache.policy import make_policy
+from cache.host_store import ExpertLayout, HostStore, Segment
+from cache.policy import ExpertKey, make_policy
+from cache.quant import ParamSpec, QuantLayout, pack_expert, plan_layout
+from cache.quant_store import open_quant_store
 from cache.runtime import ExpertRuntime
 from cache.safetensors_index import CheckpointError, TensorLocation
 from cache.stats import CacheStats
@@ -38,6 +40,16 @@ class CacheSizing:
     host_gb: float | None = None
 
 
+@dataclass(frozen=True)
+class QuantRequest:
+    """Quantize the experts (`--expert-dtype int8|int4`), keeping the result in `store_path`."""
+
+    expert_dtype: str  # "int8" | "int4"
+    group_size: int  # 0: one scale per output channel
+    store_path: Path
+    checkpoint: str  # the checkpoint's digest: a file for other weights is rebuilt
+
+
 @dataclass
 class OffloadedModel:
     model: nn.Module
@@ -50,6 +62,7 @@ class OffloadedModel:
     layout: ExpertLayout
     num_experts: int
     top_k: int
+    quant: QuantLayout | None = None  # None: experts in the compute dtype, in `layout`
 
 
 def load_offloaded_model(
@@ -58,6 +71,7 @@ def load_offloaded_model(
     dtype: torch.dtype,
     sizing: CacheSizing = CacheSizing(),
     policy: str = "lru",
+    quant: QuantRequest | None = None,
 ) -> OffloadedModel:
     read_config_dict(folder)  # refuses unsupported architectures with a clear message
     config = AutoConfig.from_pretrained(folder)
@@ -74,10 +88,15 @@ def load_offloaded_model(
     top_k = top_k_of(model, moe_layers)
     dense, expert_sources = split_checkpoint(folder, model, moe_layers)
 
-    host = _build_host_store(folder, expert_sources, moe_layers, layout, dtype, device, sizing)
+    sources = _expert_sources(folder, expert_sources, moe_layers)
+    quant_layout = None
+    if quant is not None:
+        quant_layout, sources = _quantized_sources(sources, moe_layers[0], dtype, device, quant)
+    host = _build_host_store(sources, quant_layout or layout, torch.uint8 if quant_layout else dtype, device, sizing)
     cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
-    offloaded = [OffloadedExperts(i, layer, runtime, cache.backend.slots) for i, layer in enumerate(moe_layers)]
+    slots = cache.backend.slots
+    offloaded = [OffloadedExperts(i, layer, runtime, slots, quant_layout) for i, layer in enumerate(moe_layers)]
     for experts in offloaded:
         experts.install()
 
@@ -89,10 +108,13 @@ def load_offloaded_model(
         else f"device cache {cache.capacity} experts, RAM tier {host.capacity}"
     )
     log.info(
-        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert; %s",
-        config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20, tiers,
+        "loaded %s: %d MoE layers × %d experts (top-%d), %.1f MiB per expert (%s); %s",
+        config.model_type, len(moe_layers), num_experts, top_k, host.bytes_per_expert / 2**20,
+        quant_layout.expert_dtype if quant_layout else str(dtype).removeprefix("torch."), tiers,
     )
-    return OffloadedModel(model, config, runtime, host, folder, moe_layers, offloaded, layout, num_experts, top_k)
+    return OffloadedModel(
+        model, config, runtime, host, folder, moe_layers, offloaded, layout, num_experts, top_k, quant_layout
+    )
 
 
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:
@@ -108,20 +130,41 @@ def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, po
     return cache
 
 
-def _build_host_store(
-    folder: Path,
-    expert_sources: dict[str, ExpertSources],
-    moe_layers: list[MoELayer],
-    layout: ExpertLayout,
-    dtype: torch.dtype,
-    device: torch.device,
-    sizing: CacheSizing,
-) -> HostStore:
+def _expert_sources(
+    folder: Path, expert_sources: dict[str, ExpertSources], moe_layers: list[MoELayer]
+) -> dict[ExpertKey, list[Segment]]:
     sources = {}
     for moe_index, layer in enumerate(moe_layers):
         if layer.path not in expert_sources:
             raise CheckpointError(f"{folder} has no expert weights for {layer.path}")
         sources.update(expert_segments(layer, expert_sources[layer.path], moe_index))
+    return sources
+
+
+def _quantized_sources(
+    sources: dict[ExpertKey, list[Segment]], layer: MoELayer, dtype: torch.dtype, device: torch.device, quant: QuantRequest
+) -> tuple[QuantLayout, dict[ExpertKey, list[Segment]]]:
+    """The experts quantized (once: the file is reused by later starts) and where each lies in that file."""
+    transposed = bool(layer.experts.is_transposed)  # GPT-OSS style `[in, out]` weights
+    specs = [ParamSpec(name, shape, transposed and len(shape) == 2) for name, shape in layer.layout.parts]
+    quant_layout = plan_layout(specs, quant.expert_dtype, quant.group_size, dtype, device.type)
+    checkpoint = HostStore(sources, layer.layout, torch.float32, capacity=0)  # reads experts from disk only
+
+    def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+        flat = torch.empty(layer.layout.numel, dtype=torch.float32)
+        checkpoint.read_into(key, flat)
+        pack_expert(quant_layout, layer.layout.views(flat), out)
+
+    return quant_layout, open_quant_store(quant.store_path, quant.checkpoint, quant_layout, list(sources), pack_one)
+
+
+def _build_host_store(
+    sources: dict[ExpertKey, list[Segment]],
+    layout: ExpertLayout | QuantLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    sizing: CacheSizing,
+) -> HostStore:
     if device.type == "cpu":
         return HostStore(sources, layout, dtype, capacity=0)  # the expert cache holds the RAM tier
     host_capacity = None if sizing.host_gb is None else max(1, _experts_in(sizing.host_gb, layout.numel * dtype.itemsize))

@@ -9,6 +9,9 @@ as transformers' batched implementation applies them.
 At decode (one token) there is no host sync per expert: the step's experts are known on the
 host, small experts are stacked and computed in one batched product, large ones one after
 another on views of their slots (stacking would copy their weights).
+
+Quantized experts (`--expert-dtype int8|int4`) are computed one by one through the same math:
+their weights are `cache.quant.QuantizedWeight`s, which `_linear` multiplies with their kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cache.quant import QuantizedWeight, QuantLayout, runs_on_cpu, unpack_expert
 from cache.runtime import ExpertRuntime
 from engine.moe_layers import MoELayer
 
@@ -28,20 +32,28 @@ STACK_MAX_BYTES = {"cuda": 32 << 20, "cpu": 256 << 10}
 
 
 class OffloadedExperts:
-    def __init__(self, moe_layer: int, layer: MoELayer, runtime: ExpertRuntime, pool: torch.Tensor) -> None:
+    def __init__(
+        self, moe_layer: int, layer: MoELayer, runtime: ExpertRuntime, pool: torch.Tensor, quant: QuantLayout | None = None
+    ) -> None:
         self.moe_layer = moe_layer
         self.module = layer.experts
         self.runtime = runtime
-        self.slot_params = layer.layout.views(pool)  # name → [S, *per-expert shape], views of the slots
+        self.pool = pool  # [S, numel]: float weights in `layer.layout`, or uint8 bytes in `quant`'s
+        self.quant = quant
+        self.slot_params = layer.layout.views(pool) if quant is None else {}  # name → [S, *per-expert shape]
         self.layout = layer.layout
         self.up = "gate_up_proj" if self.module.has_gate else "up_proj"
-        self.stack = layer.layout.numel * pool.element_size() <= STACK_MAX_BYTES.get(pool.device.type, 0)
-        # the host executor (`--cpu-experts`): the module's own parameters (a post-expert norm) live on the device
-        self.host_capable = pool.device.type != "cpu" and not self.module.has_post_expert_norm
+        small = layer.layout.numel * pool.element_size() <= STACK_MAX_BYTES.get(pool.device.type, 0)
+        self.stack = quant is None and small  # quantized weights have no batched kernel
+        # the host executor (`--cpu-experts`): the module's own parameters (a post-expert norm) live on the device,
+        # and tinygemm's int4 layout has no CPU kernel
+        self.host_capable = (
+            pool.device.type != "cpu" and not self.module.has_post_expert_norm and (quant is None or runs_on_cpu(quant))
+        )
 
     def install(self) -> None:
         """Drop the module's (empty) per-expert parameters and route its calls here."""
-        for name in self.slot_params:
+        for name, _ in self.layout.parts:
             del self.module._parameters[name]
         self.module.forward = self.forward
 
@@ -67,8 +79,7 @@ class OffloadedExperts:
         def compute_on_host(expert: int, buffer: torch.Tensor) -> None:
             if not x:
                 x.append(hidden.to("cpu").unsqueeze(0))  # [1, 1, H]; routing already synced the stream
-            params = {name: p.unsqueeze(0) for name, p in self.layout.views(buffer).items()}  # [1, ...]
-            y = self._experts(x[0], params)[0]  # [1, H] on the host
+            y = self._experts(x[0], self._expert_params(buffer))[0]  # [1, H] on the host
             k = row.index(expert)
             out.add_((y.to(out.device, non_blocking=True) * weights[:, k, None]).to(out.dtype))
 
@@ -76,9 +87,10 @@ class OffloadedExperts:
 
     def measure_host_ms(self, buffer: torch.Tensor, repeats: int = 5) -> float:
         """The time of one expert on one token on the host cores (median of `repeats`), in ms."""
-        params = {name: p.unsqueeze(0) for name, p in self.layout.views(buffer).items()}  # [1, ...]
-        down = params["down_proj"]  # [1, H, I], or [1, I, H] when transposed
-        x = torch.randn(1, 1, down.shape[2] if self.module.is_transposed else down.shape[1], dtype=buffer.dtype)
+        params = self._expert_params(buffer)
+        down = dict(self.layout.parts)["down_proj"]  # [H, I], or [I, H] when transposed
+        dtype = buffer.dtype if self.quant is None else self.quant.compute_dtype
+        x = torch.randn(1, 1, down[1] if self.module.is_transposed else down[0], dtype=dtype)
         times = []
         for _ in range(repeats + 1):  # the first warms up
             start = time.perf_counter()
@@ -98,8 +110,7 @@ class OffloadedExperts:
             out.add_((y * weights[0, :, None]).sum(0, keepdim=True).to(out.dtype))
             return
         for k in positions:
-            params = {name: p[slot_of[row[k]]].unsqueeze(0) for name, p in self.slot_params.items()}  # [1, ...]
-            y = self._experts(hidden.unsqueeze(0), params)[0]  # [1, H]
+            y = self._experts(hidden.unsqueeze(0), self._expert_params(self.pool[slot_of[row[k]]]))[0]  # [1, H]
             out.add_((y * weights[:, k, None]).to(out.dtype))
 
     def _prefill(
@@ -114,9 +125,16 @@ class OffloadedExperts:
         """Many tokens: expert by expert in ascending order, as transformers' eager path adds them."""
         for expert, slot in zip(turn, slots):
             token_idx, k_pos = torch.where(top_k_index == expert)
-            params = {name: p[slot].unsqueeze(0) for name, p in self.slot_params.items()}  # [1, ...]
-            y = self._experts(hidden[token_idx].unsqueeze(0), params)[0]  # [t, H]
+            y = self._experts(hidden[token_idx].unsqueeze(0), self._expert_params(self.pool[slot]))[0]  # [t, H]
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+
+    def _expert_params(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """One expert's buffer (a slot or a host buffer) as `_experts` takes it for n = 1: float views
+        `[1, ...]`, or quantized weights (with their biases `[1, ...]`)."""
+        if self.quant is None:
+            return {name: p.unsqueeze(0) for name, p in self.layout.views(buffer).items()}
+        views = unpack_expert(self.quant, buffer)
+        return {name: v if isinstance(v, QuantizedWeight) else v.unsqueeze(0) for name, v in views.items()}
 
     def _experts(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """n experts on their tokens: `x` [n, t, H], `params` name → [n, ...] → [n, t, H]."""
@@ -127,8 +145,14 @@ class OffloadedExperts:
         return module.post_expert_norm(y) if module.has_post_expert_norm else y
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """x [n, t, in] by each expert's weight ([n, out, in], or [n, in, out] when `transposed`)."""
-    y = torch.matmul(x, weight if transposed else weight.transpose(-1, -2))
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor:
+    """x [n, t, in] by each expert's weight ([n, out, in], or [n, in, out] when `transposed`), or by one
+    quantized expert's weight (n = 1; quantized as [out, in] whatever the family stores)."""
+    if isinstance(weight, QuantizedWeight):
+        y = weight.linear(x)
+    else:
+        y = torch.matmul(x, weight if transposed else weight.transpose(-1, -2))
     return y if bias is None else y + bias.unsqueeze(-2)
 

@@ -1,4 +1,4 @@
-"""Per-user folders: where state that must survive restarts (the EAMC) lives."""
+"""Per-user folders: where state that must survive restarts (the EAMC, quantized experts) lives."""
 
 from __future__ import annotations
 
@@ -19,6 +19,15 @@ def state_dir() -> Path:
 
 def default_eamc_path(model_identity: str) -> Path:
     """One EAMC file per model: a readable name plus a short hash of the full identity."""
+    return state_dir() / "eamc" / f"{_file_stem(model_identity)}.eamc"
+
+
+def default_quant_path(model_identity: str, form: str) -> Path:
+    """The quantized experts of a model in one form (e.g. `int4-g32-cpu`), beside the EAMC files."""
+    return state_dir() / "experts" / f"{_file_stem(model_identity)}-{form}.moeq"
+
+
+def _file_stem(model_identity: str) -> str:
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", model_identity.rstrip("/").split("/")[-1])[:60] or "model"
     digest = hashlib.sha256(model_identity.encode()).hexdigest()[:12]
-    return state_dir() / "eamc" / f"{readable}-{digest}.eamc"
+    return f"{readable}-{digest}"

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import CPU_EXPERTS, DTYPES, POLICY_NAMES, EngineConfig
+from engine.config import CPU_EXPERTS, DTYPES, EXPERT_DTYPES, POLICY_NAMES, EngineConfig
 from server import VERSION
 from server.tool_parsers import PARSER_NAMES
 
@@ -120,6 +120,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--device", EngineConfig, str, "auto, cpu, cuda or cuda:N", "DEVICE"),
     Flag("--dtype", EngineConfig, str, "weight dtype (auto: the checkpoint's on CUDA, float32 on CPU)",
          choices=DTYPES),
+    Flag("--expert-dtype", EngineConfig, str, "how experts are stored, moved and computed: auto or bf16 keep "
+         "the checkpoint's weights (in --dtype); int8 halves the bytes per expert of bf16, int4 divides them "
+         "by about 3.2 at group 32, 3.6 at 64 (weight-only, symmetric, group-wise; quantized once at load and kept on disk beside "
+         "the EAMC). The startup log and /v1/expert-cache show the bytes per expert", choices=EXPERT_DTYPES),
+    Flag("--expert-group-size", EngineConfig, int, "weights per quantization scale along a row; 0: one "
+         "scale per output channel; a size that does not divide a row shrinks to a divisor", "N",
+         default_text="int8: per channel (the CPU kernel's form), int4: 32"),
     Flag("--expert-cache-experts", EngineConfig, int, "device expert cache size in experts, over all layers", "N",
          default_text="on CUDA all free device memory but 2 GiB; on CPU all experts, computed in RAM where they lie (the smallest of this, --expert-cache-gb and --host-cache-gb)"),
     Flag("--expert-cache-gb", EngineConfig, float, "device expert cache size in GiB (instead of "

@@ -1,0 +1,341 @@
+"""Weight-only quantized experts: symmetric, group-wise int8 and int4, packed into one flat byte buffer.
+
+A weight `[out, in]` is cut into groups of `group_size` along `in`; each group keeps one scale
+(`max |w| / qmax`) and integers `q = round(w / scale)` (int8: -127..127, int4: -8..7), so every
+element's error is at most `scale / 2`. An expert is a list of named tensors (2-D weights are
+quantized, 1-D biases kept in the compute dtype) laid out back to back in one uint8 buffer by a
+`QuantLayout`, so it lives in the host store and in device slots like any other expert buffer.
+
+How each weight is packed is fixed per device by measurement (`bench/quant_kernels.py` on the
+CPU, the H200 figures in the shared measurements for CUDA), and the matmul follows from the packing:
+- `int8-cpu`: int8 `[out, in]`, one bf16 scale per output channel, PyTorch's `_weight_int8pack_mm`
+  (CPU: 2.8× faster than bf16 `F.linear` with bf16 activations, 4.6× slower with float32 ones,
+  so the kernels always get bf16 activations).
+- `int8`: int8 `[out, in]`, grouped, dequantized into a scratch weight for `F.linear`: grouped int8
+  has no kernel, and on CUDA `_weight_int8pack_mm` is slower than the whole bf16 expert.
+- `int4-cpu`: `_convert_weight_to_int4pack_for_cpu` layout for `_weight_int4pack_mm_for_cpu`.
+- `int4-cuda`: tinygemm layout (`_convert_weight_to_int4pack`) for `_weight_int4pack_mm`.
+- `int4-plain`: two values per byte (even index in the high nibble), dequantized; for shapes or
+  group sizes the kernels do not take.
+The kernels compute in bf16 (their scales are bf16), the dequantize paths in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+QUANT_DTYPES = ("int8", "int4")
+QMAX = {"int8": 127, "int4": 7}
+QMIN = {"int8": -127, "int4": -8}
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what both int4 kernels accept
+ALIGN = 64  # every tensor in a buffer starts on a 64-byte boundary (dtype views, vector loads)
+PER_CHANNEL = 0  # group_size meaning "one group per output channel"
+# int8: the CPU kernel's form; int4: the smallest group the kernels take, the best quality they reach
+# (demo model: 78% token agreement at 32, 75% at 64; bench/RESULTS.md "quality")
+DEFAULT_GROUP_SIZE = {"int8": PER_CHANNEL, "int4": 32}
+KERNEL_INT4 = ("int4-cpu", "int4-cuda")
+KERNELS = ("int8-cpu", *KERNEL_INT4)  # packings computed by a PyTorch kernel, in bf16
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One expert parameter as it lies in the checkpoint.
+
+    `transposed`: a 2-D weight stored `[in, out]` (computed as `x @ w`, GPT-OSS style) instead of
+    `[out, in]` (`F.linear`); it is quantized in `[out, in]` form either way.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    transposed: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return len(self.shape) == 2
+
+    @property
+    def out_in(self) -> tuple[int, int]:
+        rows, cols = self.shape
+        return (cols, rows) if self.transposed else (rows, cols)
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """Where one parameter lies in an expert buffer, and how it is stored."""
+
+    name: str
+    packing: str  # "raw" | "int8-cpu" | "int8" | "int4-cpu" | "int4-cuda" | "int4-plain"
+    shape: tuple[int, ...]  # raw: its shape; quantized: [out, in]
+    group_size: int  # quantized: elements per scale along `in`
+    transposed: bool  # stored `[in, out]` in the checkpoint (see `ParamSpec`)
+    offset: int
+    nbytes: int
+    scale_offset: int = 0
+    scale_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """The byte layout of one quantized expert: every parameter's place in a flat uint8 buffer."""
+
+    expert_dtype: str  # "int8" | "int4"
+    compute_dtype: torch.dtype  # biases and (except tinygemm's bf16) scales are stored in it
+    tensors: tuple[PackedTensor, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of one expert buffer (uint8): what the host store and slots allocate."""
+        return self.nbytes
+
+    def __getitem__(self, name: str) -> PackedTensor:
+        return next(t for t in self.tensors if t.name == name)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "expert_dtype": self.expert_dtype,
+                "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+                "tensors": [asdict(t) for t in self.tensors],
+                "nbytes": self.nbytes,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> QuantLayout:
+        raw = json.loads(text)
+        tensors = tuple(
+            PackedTensor(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"]
+        )
+        return cls(raw["expert_dtype"], getattr(torch, raw["compute_dtype"]), tensors, raw["nbytes"])
+
+
+# -- quantization -------------------------------------------------------------------------------
+
+
+def group_size_for(in_features: int, group_size: int) -> int:
+    """The group size used for a weight with `in_features` columns: `PER_CHANNEL` (0) means all of
+    them; a size that does not divide them shrinks to the largest common divisor (H 576 at 128 → 64)."""
+    if group_size < 0:
+        raise ValueError(f"group size must be positive or 0 (per channel), not {group_size}")
+    return in_features if group_size == PER_CHANNEL else math.gcd(in_features, group_size)
+
+
+def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dtype: torch.dtype):
+    """Symmetric group-wise quantization of `weight [out, in]` → (q int8 [out, in], scales [out, in/group]).
+
+    Scales are rounded to `scale_dtype` first and `q` is computed from the rounded scale, so
+    `q * scale` is exactly what a kernel reconstructs.
+    """
+    out_f, in_f = weight.shape
+    group = group_size_for(in_f, group_size)
+    grouped = weight.float().reshape(out_f, in_f // group, group)  # [O, G, g]
+    amax = grouped.abs().amax(dim=-1)  # [O, G]
+    scales = (amax / QMAX[expert_dtype]).to(scale_dtype)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale
+    q = torch.round(grouped / scales.float()[..., None]).clamp(QMIN[expert_dtype], QMAX[expert_dtype])
+    return q.to(torch.int8).reshape(out_f, in_f), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q [out, in]` (int8 values) times the scale of each group → a `[out, in]` weight in `dtype`."""
+    out_f, in_f = q.shape
+    groups = scales.shape[1]
+    w = q.reshape(out_f, groups, in_f // groups).to(dtype) * scales.to(dtype)[..., None]
+    return w.reshape(out_f, in_f)
+
+
+# -- packing: which form each weight takes on a device --------------------------------------------
+
+
+def choose_packing(expert_dtype: str, out_in: tuple[int, int], group: int, device_type: str) -> str:
+    """The storage form of one weight on `device_type`; the kernel follows from it (see module doc)."""
+    out_f, in_f = out_in
+    if expert_dtype == "int8":
+        return "int8-cpu" if device_type == "cpu" and group == in_f else "int8"
+    if group in INT4_KERNEL_GROUPS:
+        if device_type == "cpu" and out_f % 16 == 0:
+            return "int4-cpu"
+        if device_type == "cuda" and out_f % 8 == 0 and in_f % 32 == 0:
+            return "int4-cuda"
+    return "int4-plain"
+
+
+def _inner_k_tiles(in_features: int) -> int:
+    """tinygemm's inner K tiles: the largest of 8, 4, 2 with `in % (tiles * 16) == 0`."""
+    return next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
+
+
+def scale_dtype(packing: str, compute_dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if packing in KERNELS else compute_dtype
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def plan_layout(
+    params: Sequence[ParamSpec],
+    expert_dtype: str,
+    group_size: int,
+    compute_dtype: torch.dtype,
+    device_type: str,
+) -> QuantLayout:
+    """Place every parameter of an expert in a flat buffer, in order, each on an aligned offset."""
+    if expert_dtype not in QUANT_DTYPES:
+        raise ValueError(f"expert dtype must be one of {', '.join(QUANT_DTYPES)}, not {expert_dtype!r}")
+    tensors, offset = [], 0
+    for p in params:
+        if not p.quantized:
+            nbytes = _numel(p.shape) * compute_dtype.itemsize
+            tensors.append(PackedTensor(p.name, "raw", tuple(p.shape), 0, False, offset, nbytes))
+            offset = _aligned(offset + nbytes)
+            continue
+        out_f, in_f = p.out_in
+        group = group_size_for(in_f, group_size)
+        packing = choose_packing(expert_dtype, (out_f, in_f), group, device_type)
+        nbytes = out_f * in_f // (1 if expert_dtype == "int8" else 2)
+        scale_offset = _aligned(offset + nbytes)
+        scale_nbytes = out_f * (in_f // group) * scale_dtype(packing, compute_dtype).itemsize
+        scale_nbytes *= 2 if packing in KERNEL_INT4 else 1  # the kernels take a zero point beside each scale
+        tensors.append(PackedTensor(
+            p.name, packing, (out_f, in_f), group, p.transposed, offset, nbytes, scale_offset, scale_nbytes
+        ))
+        offset = _aligned(scale_offset + scale_nbytes)
+    return QuantLayout(expert_dtype, compute_dtype, tuple(tensors), offset)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Quantize and pack an expert's tensors (as in the checkpoint) into `out` (uint8 [layout.nbytes]).
+
+    `int4-cuda` packing runs on the GPU (tinygemm's converter exists only there); the bytes come back.
+    """
+    out.zero_()  # padding bytes too: a buffer's bytes depend only on the weights
+    for t in layout.tensors:
+        value = params[t.name]
+        if t.packing == "raw":
+            _bytes_of(out, t.offset, t.nbytes).copy_(value.to(layout.compute_dtype).reshape(-1).view(torch.uint8))
+            continue
+        weight = value.t() if t.transposed else value  # [out, in]
+        q, scales = quantize(weight, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
+        _bytes_of(out, t.offset, t.nbytes).copy_(_pack_weight(q, t.packing).reshape(-1).view(torch.uint8).cpu())
+        _bytes_of(out, t.scale_offset, t.scale_nbytes).copy_(_pack_scales(scales, t.packing).reshape(-1).view(torch.uint8))
+
+
+def _bytes_of(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    return buffer[offset : offset + nbytes]
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int4 values (-8..7) → unsigned nibbles two per byte, even index high: uint8 [out, in/2]."""
+    u = (q.to(torch.int32) + 8).to(torch.uint8)
+    return (u[:, ::2] << 4) | u[:, 1::2]
+
+
+def _pack_weight(q: torch.Tensor, packing: str) -> torch.Tensor:
+    if packing in ("int8", "int8-cpu"):
+        return q
+    if packing == "int4-cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 2)  # uint8 [out, in/2]
+    if packing == "int4-cuda":
+        packed = torch._convert_weight_to_int4pack(_nibbles(q).cuda(), _inner_k_tiles(q.shape[1]))
+        return packed.contiguous()  # int32 [out/8, in/(tiles*16), 32, tiles/2]: out*in/2 bytes
+    return _nibbles(q)
+
+
+def _pack_scales(scales: torch.Tensor, packing: str) -> torch.Tensor:
+    """int8 / plain: scales [out, G]; the int4 kernels: scale and zero (0: symmetric) as [G, out, 2]."""
+    if packing not in KERNEL_INT4:
+        return scales.contiguous()
+    return torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).contiguous()
+
+
+# -- reading a packed buffer: views and the matmul ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Views into an expert buffer (host or device) for one weight; `linear` computes with it."""
+
+    packing: str
+    shape: tuple[int, int]  # [out, in]
+    group_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [..., in] @ w.T → [..., out]` with the kernel of this packing (see module doc)."""
+        if self.packing not in KERNELS:
+            return self.linear_dequantized(x)
+        rows = x.reshape(-1, x.shape[-1])  # [t, in]: the kernels take 2-D inputs
+        return self._kernel_linear(rows).view(*x.shape[:-1], self.shape[0])
+
+    def _kernel_linear(self, x: torch.Tensor) -> torch.Tensor:
+        x16 = x.to(torch.bfloat16).contiguous()
+        if self.packing == "int8-cpu":
+            y = torch._weight_int8pack_mm(x16, self.data, self.scales.reshape(-1))
+        elif self.packing == "int4-cpu":
+            y = torch._weight_int4pack_mm_for_cpu(x16, self.data, self.group_size, self.scales)
+        else:
+            y = torch._weight_int4pack_mm(x16, self.data, self.group_size, self.scales)
+        return y.to(x.dtype)
+
+    def linear_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """The fallback: the whole weight dequantized into a scratch tensor, then `F.linear`."""
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight `[out, in]` as the kernels see it (int8 and plain int4 only; the kernel
+        layouts are opaque, tests reach them through `linear`)."""
+        if self.packing in ("int8", "int8-cpu"):
+            return dequantize(self.data, self.scales, dtype)
+        if self.packing == "int4-plain":
+            high, low = (self.data >> 4).to(torch.int8) - 8, (self.data & 15).to(torch.int8) - 8
+            q = torch.stack([high, low], dim=-1).reshape(self.shape)
+            return dequantize(q, self.scales, dtype)
+        raise ValueError(f"{self.packing} weights are read by their kernel only")
+
+
+def runs_on_cpu(layout: QuantLayout) -> bool:
+    """Whether the host cores can compute experts in `layout` (tinygemm's int4 layout is CUDA's only)."""
+    return all(t.packing != "int4-cuda" for t in layout.tensors)
+
+
+def unpack_expert(layout: QuantLayout, buffer: torch.Tensor) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Views into `buffer` (uint8 [layout.nbytes], any device): raw tensors, or `QuantizedWeight`s."""
+    views: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for t in layout.tensors:
+        data = _bytes_of(buffer, t.offset, t.nbytes)
+        if t.packing == "raw":
+            views[t.name] = data.view(layout.compute_dtype).view(t.shape)
+            continue
+        out_f, in_f = t.shape
+        groups = in_f // t.group_size
+        scales = _bytes_of(buffer, t.scale_offset, t.scale_nbytes).view(scale_dtype(t.packing, layout.compute_dtype))
+        scales = scales.view(groups, out_f, 2) if t.packing in KERNEL_INT4 else scales.view(out_f, groups)
+        views[t.name] = QuantizedWeight(t.packing, t.shape, t.group_size, _weight_view(data, t), scales)
+    return views
+
+
+def _weight_view(data: torch.Tensor, t: PackedTensor) -> torch.Tensor:
+    out_f, in_f = t.shape
+    if t.packing in ("int8", "int8-cpu"):
+        return data.view(torch.int8).view(out_f, in_f)
+    if t.packing == "int4-cuda":
+        tiles = _inner_k_tiles(in_f)
+        return data.view(torch.int32).view(out_f // 8, in_f // (tiles * 16), 32, tiles // 2)
+    return data.view(out_f, in_f // 2)  # int4-cpu, int4-plain

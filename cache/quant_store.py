@@ -1,0 +1,129 @@
+"""Quantized experts on disk: quantized once, reused by every later start.
+
+The file is a plain safetensors file (so `safetensors_index.read_header` indexes it and the host
+store reads an expert by offset like any checkpoint tensor): one uint8 tensor per expert, named
+`"{layer}.{expert}"`, holding the expert's packed buffer (`cache.quant.QuantLayout`). Its
+`__metadata__` carries the format version, the checkpoint's identity and the layout (expert
+dtype, group sizes, compute dtype, packing per device); a file whose metadata differs from what
+this start wants, or that is truncated or unreadable, is rebuilt with a warning. Written
+atomically (temp file, fsync, rename), as the EAMC file is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from cache.eamc_file import write_atomically
+from cache.host_store import Segment
+from cache.policy import ExpertKey
+from cache.quant import QuantLayout
+from cache.safetensors_index import CheckpointError, read_header
+
+log = logging.getLogger(__name__)
+
+FORMAT = "moe-quant/1"
+
+
+def tensor_name(key: ExpertKey) -> str:
+    return f"{key[0]}.{key[1]}"
+
+
+def open_quant_store(
+    path: Path,
+    checkpoint: str,
+    layout: QuantLayout,
+    keys: Sequence[ExpertKey],
+    pack_one: Callable[[ExpertKey, torch.Tensor], None],
+) -> dict[ExpertKey, list[Segment]]:
+    """Each expert's place in the quantized file at `path`, building the file first unless a
+    valid one for this `checkpoint` and `layout` is there. `pack_one(key, out)` fills `out`
+    (uint8 [layout.nbytes]) with the expert's packed bytes."""
+    metadata = {"format": FORMAT, "checkpoint": checkpoint, "layout": layout.to_json()}
+    segments = _valid_segments(path, metadata, layout, keys)
+    if segments is not None:
+        log.info("quantized experts: reusing %s", path)
+        return segments
+    start = time.perf_counter()
+    write_atomically(path, lambda f: _write(f, metadata, layout, keys, pack_one))
+    log.info(
+        "quantized %d experts to %s in %.1f s (%.1f MiB each)",
+        len(keys), path, time.perf_counter() - start, layout.nbytes / 2**20,
+    )
+    segments = _valid_segments(path, metadata, layout, keys)
+    if segments is None:
+        raise CheckpointError(f"the quantized expert file {path} just written does not read back")
+    return segments
+
+
+def _valid_segments(
+    path: Path, metadata: dict, layout: QuantLayout, keys: Sequence[ExpertKey]
+) -> dict[ExpertKey, list[Segment]] | None:
+    """The experts' segments if `path` is a complete file with this metadata; else None (with a warning)."""
+    if not path.exists():
+        return None
+    try:
+        stored = _read_metadata(path)
+        if stored != metadata:
+            differs = sorted(k for k in metadata if stored.get(k) != metadata[k])
+            log.warning("quantized expert file %s was made for another %s; rebuilding it", path, ", ".join(differs))
+            return None
+        locations = read_header(path)
+        segments = {}
+        for key in keys:
+            loc = locations[tensor_name(key)]
+            if loc.dtype != torch.uint8 or loc.nbytes != layout.nbytes:
+                raise CheckpointError(f"expert {key} has {loc.nbytes} bytes, expected {layout.nbytes}")
+            segments[key] = [Segment(loc.path, loc.offset, loc.nbytes, torch.uint8)]
+        return segments
+    except (CheckpointError, KeyError, OSError, ValueError) as exc:
+        log.warning("quantized expert file %s is unreadable or corrupt (%s); rebuilding it", path, exc)
+        return None
+
+
+def _read_metadata(path: Path) -> dict:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError("too short")
+        (length,) = struct.unpack("<Q", raw)
+        if length > path.stat().st_size - 8:
+            raise CheckpointError("bad header length")
+        header = json.loads(f.read(length))
+    return header.get("__metadata__") or {}
+
+
+def _header(metadata: dict, layout: QuantLayout, keys: Sequence[ExpertKey]) -> bytes:
+    """The safetensors header: experts back to back, padded so the data starts 64-byte aligned."""
+    entries: dict = {"__metadata__": metadata}
+    for n, key in enumerate(keys):
+        begin = n * layout.nbytes
+        entries[tensor_name(key)] = {"dtype": "U8", "shape": [layout.nbytes], "data_offsets": [begin, begin + layout.nbytes]}
+    text = json.dumps(entries).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write(
+    f: BinaryIO,
+    metadata: dict,
+    layout: QuantLayout,
+    keys: Sequence[ExpertKey],
+    pack_one: Callable[[ExpertKey, torch.Tensor], None],
+) -> None:
+    f.write(_header(metadata, layout, keys))
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    last_log = time.perf_counter()
+    for n, key in enumerate(keys, 1):
+        pack_one(key, buffer)
+        f.write(buffer.numpy().data)
+        if time.perf_counter() - last_log > 10:
+            log.info("quantizing experts: %d of %d", n, len(keys))
+            last_log = time.perf_counter()

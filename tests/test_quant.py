@@ -1,0 +1,199 @@
+"""Quantized experts (cache/quant.py): round trips, byte layouts, and every kernel against the float product.
+
+The tolerance is derived, not tuned: each weight element is off by at most half its group's scale
+(`|w - q*s| <= s/2`), so an output differs from the float product by at most
+`sum_k |x_k| * s(n, group of k) / 2`, plus rounding: float32 paths a relative 1e-5 of
+`sum_k |x_k * w_nk|`; the PyTorch kernels take bf16 activations and give bf16 outputs (relative
+2^-8 each, so 2^-7 of that sum). The kernels must also agree with the product over the
+dequantized weight up to that rounding alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache.quant import (
+    ALIGN,
+    KERNELS,
+    PER_CHANNEL,
+    ParamSpec,
+    QuantLayout,
+    dequantize,
+    group_size_for,
+    pack_expert,
+    plan_layout,
+    quantize,
+    unpack_expert,
+)
+
+H, INTER = 64, 96  # hidden, expert intermediate: 2I = 192 and H = 64 are multiples of 16 (CPU int4 kernel)
+
+
+def _error_bound(x: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Per output: sum over the input of |x| times half the scale of its group → [t, out]."""
+    group = in_features // scales.shape[1]
+    abs_x_per_group = x.abs().reshape(x.shape[0], -1, group).sum(-1)  # [t, G]
+    return abs_x_per_group @ scales.float().t() / 2
+
+
+def _rounding(x: torch.Tensor, w: torch.Tensor, packing: str) -> torch.Tensor:
+    relative = 2**-7 if packing in KERNELS else 1e-5
+    return relative * (x.abs() @ w.abs().t()) + 1e-6
+
+
+@pytest.mark.parametrize("expert_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("group_size", [PER_CHANNEL, 32, 64])
+def test_quantize_round_trip_within_half_a_step(expert_dtype, group_size):
+    torch.manual_seed(0)
+    w = torch.randn(48, 128) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scale
+    w[3, :32] = 0  # an all-zero group
+    q, scales = quantize(w, expert_dtype, group_size, torch.float32)
+    group = group_size_for(128, group_size)
+    assert q.dtype == torch.int8 and scales.shape == (48, 128 // group)
+    lo, hi = (-127, 127) if expert_dtype == "int8" else (-8, 7)
+    assert int(q.min()) >= lo and int(q.max()) <= hi
+    err = (dequantize(q, scales, torch.float32) - w).abs()
+    half_step = scales.repeat_interleave(group, dim=1) / 2
+    assert bool((err <= half_step * (1 + 1e-6)).all())
+    assert bool((dequantize(q, scales, torch.float32)[3, :32] == 0).all())
+    # the range is used: each group's largest |w| lands on the top code
+    assert int(q.abs().amax()) == (127 if expert_dtype == "int8" else 7)
+
+
+def test_group_size_shrinks_to_a_divisor_and_per_channel_takes_the_row():
+    assert group_size_for(576, 128) == 64  # the demo model's hidden size
+    assert group_size_for(4096, 128) == 128
+    assert group_size_for(16, 32) == 16
+    assert group_size_for(96, PER_CHANNEL) == 96
+    with pytest.raises(ValueError):
+        group_size_for(96, -1)
+
+
+def _expert_tensors(transposed: bool, bias: bool) -> tuple[list[ParamSpec], dict[str, torch.Tensor]]:
+    """An expert in either orientation: `gate_up_proj [2I, H]`, `down_proj [H, I]` (F.linear form)
+    or `[H, 2I]`, `[I, H]` (stored `[in, out]`, GPT-OSS form), with optional biases."""
+    torch.manual_seed(1)
+    shapes = {"gate_up_proj": (2 * INTER, H), "down_proj": (H, INTER)}
+    specs, tensors = [], {}
+    for name, (out_f, in_f) in shapes.items():
+        shape = (in_f, out_f) if transposed else (out_f, in_f)
+        specs.append(ParamSpec(name, shape, transposed))
+        tensors[name] = torch.randn(shape) * 0.1
+        if bias:
+            specs.append(ParamSpec(f"{name}_bias", (out_f,)))
+            tensors[f"{name}_bias"] = torch.randn(out_f)
+    return specs, tensors
+
+
+LAYOUT_CASES = [(False, False), (False, True), (True, True), (True, False)]
+FORMS = [("int8", PER_CHANNEL), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", PER_CHANNEL)]
+
+
+@pytest.mark.parametrize("transposed,bias", LAYOUT_CASES, ids=["gate_up", "gate_up+bias", "transposed+bias", "transposed"])
+@pytest.mark.parametrize("expert_dtype,group_size", FORMS)
+def test_kernels_match_the_float_product_within_the_derived_bound(transposed, bias, expert_dtype, group_size):
+    specs, tensors = _expert_tensors(transposed, bias)
+    layout = plan_layout(specs, expert_dtype, group_size, torch.float32, "cpu")
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_expert(layout, tensors, buffer)
+    views = unpack_expert(layout, buffer)
+    torch.manual_seed(2)
+    for spec in specs:
+        if not spec.quantized:
+            assert torch.equal(views[spec.name], tensors[spec.name])  # biases kept exactly
+            continue
+        w = tensors[spec.name].t() if transposed else tensors[spec.name]  # [out, in]
+        x = torch.randn(5, w.shape[1])
+        got = views[spec.name].linear(x)  # [5, out]
+        q, scales = quantize(w, expert_dtype, group_size, views[spec.name].scales.dtype)
+        w_deq = dequantize(q, scales, torch.float32)
+        rounding = _rounding(x, w, layout[spec.name].packing)
+        assert got.shape == (5, w.shape[0])
+        assert bool(((got - F.linear(x, w_deq)).abs() <= rounding).all()), "kernel ≠ its dequantized weight"
+        bound = _error_bound(x, scales, w.shape[1]) + rounding
+        assert bool(((got - F.linear(x, w)).abs() <= bound).all()), "beyond the quantization bound"
+
+
+def test_the_cpu_picks_the_kernels_where_their_constraints_hold():
+    specs = [ParamSpec("gate_up_proj", (2 * INTER, H)), ParamSpec("down_proj", (H, INTER)), ParamSpec("odd", (24, 64))]
+    packings = {t.name: t.packing for t in plan_layout(specs, "int4", 32, torch.float32, "cpu").tensors}
+    assert packings == {"gate_up_proj": "int4-cpu", "down_proj": "int4-cpu", "odd": "int4-plain"}  # out % 16
+    per_channel = {t.name: t.packing for t in plan_layout(specs, "int4", PER_CHANNEL, torch.float32, "cpu").tensors}
+    assert per_channel["down_proj"] == "int4-plain"  # a group of 96 is not one the kernel takes
+    assert {t.packing for t in plan_layout(specs, "int8", 32, torch.float32, "cpu").tensors} == {"int8"}
+    assert {t.packing for t in plan_layout(specs, "int8", PER_CHANNEL, torch.float32, "cpu").tensors} == {"int8-cpu"}
+    assert {t.packing for t in plan_layout(specs, "int8", PER_CHANNEL, torch.float32, "cuda").tensors} == {"int8"}
+
+
+def test_plain_int4_round_trips_through_its_nibbles():
+    spec = ParamSpec("odd", (24, 64))  # 24 rows: not the CPU kernel's
+    layout = plan_layout([spec], "int4", 32, torch.float32, "cpu")
+    w = torch.randn(24, 64)
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_expert(layout, {"odd": w}, buffer)
+    q, scales = quantize(w, "int4", 32, torch.float32)
+    assert torch.equal(unpack_expert(layout, buffer)["odd"].dequantize(torch.float32), dequantize(q, scales, torch.float32))
+
+
+def test_layout_is_aligned_compact_and_survives_json():
+    specs, _ = _expert_tensors(transposed=False, bias=True)
+    layout = plan_layout(specs, "int4", 32, torch.bfloat16, "cpu")
+    assert QuantLayout.from_json(layout.to_json()) == layout
+    assert layout.nbytes % ALIGN == 0
+    ends = []
+    for t in layout.tensors:
+        assert t.offset % ALIGN == 0 and (t.scale_nbytes == 0 or t.scale_offset % ALIGN == 0)
+        ends.append(max(t.offset + t.nbytes, t.scale_offset + t.scale_nbytes))
+    assert layout.nbytes - max(ends) < ALIGN
+
+
+@pytest.mark.parametrize(
+    "expert_dtype,group_size,compute_dtype,low,high",
+    [
+        ("int8", PER_CHANNEL, torch.bfloat16, 1.99, 2.0),  # ÷ 2 against bf16
+        ("int4", 128, torch.bfloat16, 3.7, 3.8),  # ÷ 3.76: nibbles plus a bf16 scale and zero per 128
+        ("int4", 64, torch.bfloat16, 3.5, 3.6),
+        ("int8", PER_CHANNEL, torch.float32, 3.99, 4.0),  # the CPU's float32 experts
+    ],
+)
+def test_bytes_per_mixtral_expert(expert_dtype, group_size, compute_dtype, low, high):
+    h, i = 4096, 14336
+    specs = [ParamSpec("gate_up_proj", (2 * i, h)), ParamSpec("down_proj", (h, i))]
+    layout = plan_layout(specs, expert_dtype, group_size, compute_dtype, "cpu")
+    ratio = 3 * h * i * compute_dtype.itemsize / layout.nbytes
+    assert low <= ratio <= high, ratio
+
+
+def test_bfloat16_compute_stays_within_the_bound_plus_bf16_rounding():
+    """bf16 activations: the kernels accumulate in float but round inputs and outputs to bf16
+    (relative 2^-8 each), so the bound gains 2^-7 of sum |x w| on top of the quantization step."""
+    specs, tensors = _expert_tensors(transposed=False, bias=False)
+    for expert_dtype in ("int8", "int4"):
+        layout = plan_layout(specs, expert_dtype, 32, torch.bfloat16, "cpu")
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        pack_expert(layout, tensors, buffer)
+        views = unpack_expert(layout, buffer)
+        w = tensors["gate_up_proj"]
+        x = torch.randn(3, H)
+        got = views["gate_up_proj"].linear(x.to(torch.bfloat16)).float()
+        _, scales = quantize(w, expert_dtype, 32, torch.bfloat16)
+        bound = _error_bound(x, scales, H) + 2**-7 * (x.abs() @ w.abs().t()) + 1e-3
+        assert bool(((got - F.linear(x, w)).abs() <= bound).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tinygemm int4 layout)")
+def test_cuda_tinygemm_matches_the_float_product():
+    specs, tensors = _expert_tensors(transposed=False, bias=True)
+    layout = plan_layout(specs, "int4", 32, torch.bfloat16, "cuda")
+    assert layout["gate_up_proj"].packing == "int4-cuda"
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_expert(layout, tensors, buffer)
+    views = unpack_expert(layout, buffer.cuda())
+    w = tensors["gate_up_proj"]
+    x = torch.randn(3, H)
+    got = views["gate_up_proj"].linear(x.cuda().to(torch.bfloat16)).float().cpu()
+    _, scales = quantize(w, "int4", 32, torch.bfloat16)
+    bound = _error_bound(x, scales, H) + 2**-7 * (x.abs() @ w.abs().t()) + 1e-3
+    assert bool(((got - F.linear(x, w)).abs() <= bound).all())
