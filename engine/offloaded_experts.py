@@ -110,7 +110,7 @@ class OffloadedExperts:
             out.add_((y * weights[0, :, None]).sum(0, keepdim=True).to(out.dtype))
             return
         for k in positions:
-            y = self._experts(hidden.unsqueeze(0), self._expert_params(self.pool[slot_of[row[k]]]))[0]  # [1, H]
+            y = self._experts(hidden.unsqueeze(0), self._slot_params(slot_of[row[k]]))[0]  # [1, H]
             out.add_((y * weights[:, k, None]).to(out.dtype))
 
     def _prefill(
@@ -125,8 +125,14 @@ class OffloadedExperts:
         """Many tokens: expert by expert in ascending order, as transformers' eager path adds them."""
         for expert, slot in zip(turn, slots):
             token_idx, k_pos = torch.where(top_k_index == expert)
-            y = self._experts(hidden[token_idx].unsqueeze(0), self._expert_params(self.pool[slot]))[0]  # [t, H]
+            y = self._experts(hidden[token_idx].unsqueeze(0), self._slot_params(slot))[0]  # [t, H]
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+
+    def _slot_params(self, slot: int) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """One slot's expert as `_experts` takes it (float: `[1, ...]` views of the slot pool)."""
+        if self.quant is None:
+            return {name: p[slot : slot + 1] for name, p in self.slot_params.items()}
+        return self._expert_params(self.pool[slot])
 
     def _expert_params(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | QuantizedWeight]:
         """One expert's buffer (a slot or a host buffer) as `_experts` takes it for n = 1: float views

@@ -138,7 +138,9 @@ def test_one_host_sync_per_moe_layer_at_decode(tmp_path, monkeypatch):
     `item` or `nonzero` in the expert computation; the prefetcher's look-ahead guess for the
     next layer is read in the same sync."""
     folder = build_checkpoint("qwen3_moe", tmp_path / "m", num_layers=NUM_LAYERS)
-    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=True))
+    engine = Engine.load(
+        EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=True, expert_cache_experts=4)
+    )  # a cache that holds every expert has no prefetcher
     prompt_ids = engine.encode(PROMPT)
     engine.runtime.prefetcher.close()  # its thread reads nothing from the device, but keep the count exact
     syncs = []

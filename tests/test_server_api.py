@@ -523,7 +523,8 @@ def test_expert_cache_view(http, client):
                 "layers"):
         assert key in view
     assert 0 <= view["hit_rate"] <= 1
-    assert view["prefetch"] is True and 0 <= view["lookahead_accuracy"] <= 1  # decode steps ran: guesses scored
+    # on CPU the cache holds every expert by default: nothing to prefetch, so no look-ahead either
+    assert view["prefetch"] is False and view["lookahead_accuracy"] is None
     assert view["eamc_path"].endswith("eamc.json")  # the fixture's --eamc-path
     assert len(view["layers"]) == view["num_moe_layers"] == 3  # the fixture's 3 MoE layers
     resident = sum(len(layer["resident_experts"]) for layer in view["layers"])
