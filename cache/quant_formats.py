@@ -41,29 +41,41 @@ def dequantize_fp8(
     out_f, in_f = data.shape
     rows = out_f // row_parts  # rows of one stacked weight
     grid = scales.float().view(row_parts, -1, scales.shape[-1])  # [P, ceil(rows/b0), ceil(in/b1)]
-    per_element = grid.repeat_interleave(block[0], dim=1)[:, :rows]
-    per_element = per_element.repeat_interleave(block[1], dim=2)[..., :in_f]  # [P, rows, in]
-    return (data.float().view(row_parts, rows, in_f) * per_element).view(out_f, in_f).to(dtype)
+    per_row = grid.repeat_interleave(block[0], dim=1)[:, :rows]  # [P, rows, ceil(in/b1)]: small
+    w = data.float().view(row_parts, rows, in_f)  # a new tensor: scaled in place
+    whole = in_f // block[1]  # whole blocks along a row; then perhaps a short one
+    w[..., : whole * block[1]].unflatten(-1, (whole, block[1])).mul_(per_row[..., :whole, None])
+    if whole * block[1] < in_f:
+        w[..., whole * block[1] :].mul_(per_row[..., whole:])
+    return w.view(out_f, in_f).to(dtype)
 
 
 @functools.cache
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """Every byte's two e2m1 values, low nibble first: float32 `[256, 2]` (one gather decodes a byte)."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1).to(device)
+
+
+@functools.cache
+def _e8m0_powers(device: torch.device) -> torch.Tensor:
+    """Every e8m0 byte's scale `2^(byte - 127)`, exact in float32 (byte 0 a subnormal; 255 is NaN by the spec)."""
+    powers = [2.0 ** (e - E8M0_BIAS) for e in range(255)] + [float("nan")]
+    return torch.tensor(powers, dtype=torch.float64).float().to(device)
 
 
 def decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., n]` → float32 `[..., 2n]`: each byte's low nibble, then its high nibble."""
-    table = _e2m1_table(packed.device)
-    low, high = table[(packed & 0x0F).long()], table[(packed >> 4).long()]
-    return torch.stack([low, high], dim=-1).flatten(-2)
+    return _e2m1_pairs(packed.device)[packed.long()].flatten(-2)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`blocks` uint8 `[out, in/2]`, `scales` uint8 `[out, in/32]` → the weight `[out, in]` in `dtype`."""
     out_f, half = blocks.shape
     values = decode_e2m1(blocks).view(out_f, -1, MXFP4_BLOCK)  # [out, in/32, 32]
-    exponents = scales.to(torch.int32) - E8M0_BIAS  # [out, in/32]
-    return torch.ldexp(values, exponents[..., None]).view(out_f, 2 * half).to(dtype)
+    powers = _e8m0_powers(scales.device)[scales.long()]  # [out, in/32]
+    return values.mul_(powers[..., None]).view(out_f, 2 * half).to(dtype)
 
 
 def dequantize_published(

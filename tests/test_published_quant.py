@@ -80,6 +80,13 @@ def test_mxfp4_decoding_is_the_definition_bit_for_bit():
     assert (want - weight).abs().max() < 0.25 * weight.abs().amax()  # the encoder is sane: e2m1 steps ≤ 1/4 of 2^2
 
 
+def test_mxfp4_decoding_covers_every_byte_and_scale():
+    """All 256 bytes of values under all 255 finite e8m0 scales (2^-127 .. 2^127; large ones overflow to inf alike)."""
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(255, 1).reshape(255, 16, 16)  # 16 rows of 32 per scale
+    scales = torch.arange(255, dtype=torch.uint8)[:, None].repeat(1, 16)  # [255, 16]
+    assert torch.equal(dequantize_mxfp4(blocks.reshape(255, -1), scales, torch.float32), mxfp4_reference(blocks, scales))
+
+
 # -- the engine against transformers on the decoded weights ---------------------------------------------
 
 
