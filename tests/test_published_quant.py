@@ -256,3 +256,15 @@ def test_which_quantization_configs_are_read(fp8_folders, tmp_path, quantization
     else:
         with pytest.raises(CheckpointError, match=accepted):
             read_config_dict(copy)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decoding_on_cuda_is_the_cpu_decoding():
+    gen = torch.Generator().manual_seed(3)
+    q, scales = fp8_quantize(torch.randn(36, 50, generator=gen), (12, 20))
+    blocks, e8m0 = mxfp4_quantize(torch.randn(16, 64, generator=gen))
+    for dtype in (torch.float32, torch.bfloat16):
+        fp8 = dequantize_fp8(q.cuda(), scales.cuda(), (12, 20), 1, dtype)
+        assert torch.equal(fp8.cpu(), dequantize_fp8(q, scales, (12, 20), 1, dtype))
+        mx = dequantize_mxfp4(blocks.reshape(16, -1).cuda(), e8m0.cuda(), dtype)
+        assert torch.equal(mx.cpu(), dequantize_mxfp4(blocks.reshape(16, -1), e8m0, dtype))
