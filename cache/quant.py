@@ -1,10 +1,17 @@
-"""Weight-only quantized experts: symmetric, group-wise int8 and int4, packed into one flat byte buffer.
+"""Weight-only quantized experts: group-wise int8 (symmetric) and int4 (asymmetric), packed into one flat byte buffer.
 
-A weight `[out, in]` is cut into groups of `group_size` along `in`; each group keeps one scale
-(`max |w| / qmax`) and integers `q = round(w / scale)` (int8: -127..127, int4: -8..7), so every
-element's error is at most `scale / 2`. An expert is a list of named tensors (2-D weights are
-quantized, 1-D biases kept in the compute dtype) laid out back to back in one uint8 buffer by a
-`QuantLayout`, so it lives in the host store and in device slots like any other expert buffer.
+A weight `[out, in]` is cut into groups of `group_size` along `in`; each group keeps a scale and a
+zero point, and integers `q` such that `w ≈ q * scale + zero`, so every element's error is at most
+`scale / 2` (plus the rounding of the zero point to the scale dtype):
+- int8: symmetric, `scale = max |w| / 127`, zero 0, `q` in -127..127 (the int8 kernel has no zero point).
+- int4: asymmetric, `scale = (max w - min w) / 15`, `zero = min w + 8 * scale`, `q` in -8..7: all 16
+  levels span the group's own range. The int4 kernels take a zero point beside each scale at no cost,
+  and a symmetric grid wastes a level and half the range on groups that are not centred (on the demo
+  model, whose weights come from an asymmetric Q4_1 GGUF, the grids coincide: bench/RESULTS.md).
+
+An expert is a list of named tensors (2-D weights are quantized, 1-D biases kept in the compute
+dtype) laid out back to back in one uint8 buffer by a `QuantLayout`, so it lives in the host store
+and in device slots like any other expert buffer.
 
 How each weight is packed is fixed per device by measurement (`bench/quant_kernels.py` on the
 CPU, the H200 figures in the shared measurements for CUDA), and the matmul follows from the packing:
@@ -136,26 +143,34 @@ def group_size_for(in_features: int, group_size: int) -> int:
 
 
 def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dtype: torch.dtype):
-    """Symmetric group-wise quantization of `weight [out, in]` → (q int8 [out, in], scales [out, in/group]).
+    """Group-wise quantization of `weight [out, in]` → (q int8 [out, in], scales, zeros [out, in/group]).
 
-    Scales are rounded to `scale_dtype` first and `q` is computed from the rounded scale, so
-    `q * scale` is exactly what a kernel reconstructs.
+    Scales and zero points are rounded to `scale_dtype` first and `q` is computed from the rounded
+    values, so `q * scale + zero` is exactly what a kernel reconstructs. int8 zeros are all 0.
     """
     out_f, in_f = weight.shape
     group = group_size_for(in_f, group_size)
     grouped = weight.float().reshape(out_f, in_f // group, group)  # [O, G, g]
-    amax = grouped.abs().amax(dim=-1)  # [O, G]
-    scales = (amax / QMAX[expert_dtype]).to(scale_dtype)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale
-    q = torch.round(grouped / scales.float()[..., None]).clamp(QMIN[expert_dtype], QMAX[expert_dtype])
-    return q.to(torch.int8).reshape(out_f, in_f), scales
+    if expert_dtype == "int8":
+        scales = grouped.abs().amax(dim=-1) / QMAX["int8"]  # [O, G]
+        zeros = torch.zeros_like(scales)
+    else:
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [O, G]
+        scales = (high - low) / (QMAX["int4"] - QMIN["int4"])
+        zeros = torch.where(scales > 0, low - QMIN["int4"] * scales, low)  # a constant group: q = 0 gives it
+    scales = scales.to(scale_dtype)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: any scale
+    zeros = zeros.to(scale_dtype)
+    q = torch.round((grouped - zeros.float()[..., None]) / scales.float()[..., None])
+    q = q.clamp(QMIN[expert_dtype], QMAX[expert_dtype])
+    return q.to(torch.int8).reshape(out_f, in_f), scales, zeros
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`q [out, in]` (int8 values) times the scale of each group → a `[out, in]` weight in `dtype`."""
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q [out, in]` (int8 values) times its group's scale plus its zero point → `[out, in]` in `dtype`."""
     out_f, in_f = q.shape
     groups = scales.shape[1]
-    w = q.reshape(out_f, groups, in_f // groups).to(dtype) * scales.to(dtype)[..., None]
+    w = q.reshape(out_f, groups, in_f // groups).to(dtype) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
     return w.reshape(out_f, in_f)
 
 
@@ -187,10 +202,11 @@ def scale_dtype(packing: str, compute_dtype: torch.dtype) -> torch.dtype:
 
 
 def scale_shape(t: PackedTensor) -> tuple[int, ...]:
-    """The scales of a packed weight: `[in/group, out, 2]` for the int4 kernels, else one row per
-    `block_rows` rows of each stacked part and one column per `group_size` columns (rounded up)."""
+    """The scales of a packed weight: int4 (every packing) scale and zero point `[in/group, out, 2]`,
+    else one row per `block_rows` rows of each stacked part and one column per `group_size` columns
+    (rounded up)."""
     out_f, in_f = t.shape
-    if t.packing in KERNEL_INT4:
+    if t.packing.startswith("int4"):
         return (in_f // t.group_size, out_f, 2)
     return fp8_scale_grid((out_f, in_f), (t.block_rows, t.group_size), t.row_parts)
 
@@ -222,7 +238,7 @@ def plan_layout(
         nbytes = out_f * in_f // (1 if expert_dtype == "int8" else 2)
         scale_offset = _aligned(offset + nbytes)
         scale_nbytes = out_f * (in_f // group) * scale_dtype(packing, compute_dtype).itemsize
-        scale_nbytes *= 2 if packing in KERNEL_INT4 else 1  # the kernels take a zero point beside each scale
+        scale_nbytes *= 2 if expert_dtype == "int4" else 1  # a zero point beside each scale
         tensors.append(PackedTensor(
             p.name, packing, (out_f, in_f), group, p.transposed, offset, nbytes, scale_offset, scale_nbytes
         ))
@@ -249,9 +265,10 @@ def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: to
             _bytes_of(out, t.offset, t.nbytes).copy_(value.to(layout.compute_dtype).reshape(-1).view(torch.uint8))
             continue
         weight = value.t() if t.transposed else value  # [out, in]
-        q, scales = quantize(weight, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
+        q, scales, zeros = quantize(weight, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
         _bytes_of(out, t.offset, t.nbytes).copy_(_pack_weight(q, t.packing).reshape(-1).view(torch.uint8).cpu())
-        _bytes_of(out, t.scale_offset, t.scale_nbytes).copy_(_pack_scales(scales, t.packing).reshape(-1).view(torch.uint8))
+        scale_bytes = _pack_scales(scales, zeros, layout.expert_dtype).reshape(-1).view(torch.uint8)
+        _bytes_of(out, t.scale_offset, t.scale_nbytes).copy_(scale_bytes)
 
 
 def _bytes_of(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
@@ -275,11 +292,11 @@ def _pack_weight(q: torch.Tensor, packing: str) -> torch.Tensor:
     return _nibbles(q)
 
 
-def _pack_scales(scales: torch.Tensor, packing: str) -> torch.Tensor:
-    """int8 / plain: scales [out, G]; the int4 kernels: scale and zero (0: symmetric) as [G, out, 2]."""
-    if packing not in KERNEL_INT4:
+def _pack_scales(scales: torch.Tensor, zeros: torch.Tensor, expert_dtype: str) -> torch.Tensor:
+    """int8: scales [out, G]; int4 (every packing, as the kernels take them): scale and zero as [G, out, 2]."""
+    if expert_dtype == "int8":
         return scales.contiguous()
-    return torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).contiguous()
+    return torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
 
 
 # -- reading a packed buffer: views and the matmul ----------------------------------------------
@@ -293,7 +310,7 @@ class QuantizedWeight:
     shape: tuple[int, int]  # [out, in]
     group_size: int
     data: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor  # int8: [out, G]; int4: scale and zero point, [G, out, 2]; fp8, mxfp4: `scale_shape`
     block_rows: int = 1  # fp8 (see `PackedTensor`)
     row_parts: int = 1
 
@@ -326,11 +343,11 @@ class QuantizedWeight:
         if self.packing == "mxfp4":
             return dequantize_mxfp4(self.data, self.scales, dtype)
         if self.packing in ("int8", "int8-cpu"):
-            return dequantize(self.data, self.scales, dtype)
+            return dequantize(self.data, self.scales, torch.zeros_like(self.scales), dtype)
         if self.packing == "int4-plain":
             high, low = (self.data >> 4).to(torch.int8) - 8, (self.data & 15).to(torch.int8) - 8
             q = torch.stack([high, low], dim=-1).reshape(self.shape)
-            return dequantize(q, self.scales, dtype)
+            return dequantize(q, self.scales[..., 0].t(), self.scales[..., 1].t(), dtype)
         raise ValueError(f"{self.packing} weights are read by their kernel only")
 
 

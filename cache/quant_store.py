@@ -29,7 +29,7 @@ from cache.safetensors_index import CheckpointError, read_header
 
 log = logging.getLogger(__name__)
 
-FORMAT = "moe-quant/1"
+FORMAT = "moe-quant/2"  # 2: int4 with a zero point per group
 
 
 def tensor_name(key: ExpertKey) -> str:

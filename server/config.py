@@ -122,7 +122,7 @@ FLAGS: tuple[Flag, ...] = (
          choices=DTYPES),
     Flag("--expert-dtype", EngineConfig, str, "how experts are stored, moved and computed: auto or bf16 keep "
          "the checkpoint's weights (in --dtype); int8 halves the bytes per expert of bf16, int4 divides them "
-         "by about 3.2 at group 32, 3.6 at 64 (weight-only, symmetric, group-wise; quantized once at load and kept on disk beside "
+         "by about 3.2 at group 32, 3.6 at 64 (weight-only, group-wise: int8 symmetric, int4 with a zero point; quantized once at load and kept on disk beside "
          "the EAMC). On an FP8 or MXFP4 checkpoint auto keeps the experts' published bytes (decoded per use) and the "
          "others start from the decoded weights. The startup log and /v1/expert-cache show the bytes per expert",
          choices=EXPERT_DTYPES),

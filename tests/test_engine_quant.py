@@ -54,8 +54,8 @@ def _fake_quantized_reference(folder, layout) -> torch.nn.Module:
                 weights = getattr(layer.experts, t.name)  # [E, out, in], or [E, in, out] transposed
                 for e in range(weights.shape[0]):
                     w = weights[e].t() if t.transposed else weights[e]
-                    q, s = quantize(w, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
-                    w.copy_(dequantize(q, s, torch.float32))  # `w` is a view: writes the model's weight
+                    q, s, z = quantize(w, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
+                    w.copy_(dequantize(q, s, z, torch.float32))  # `w` is a view: writes the model's weight
     return model
 
 

@@ -1,7 +1,7 @@
 """Quantized experts (cache/quant.py): round trips, byte layouts, and every kernel against the float product.
 
 The tolerance is derived, not tuned: each weight element is off by at most half its group's scale
-(`|w - q*s| <= s/2`), so an output differs from the float product by at most
+(`|w - (q*s + z)| <= s/2`), so an output differs from the float product by at most
 `sum_k |x_k| * s(n, group of k) / 2`, plus rounding: float32 paths a relative 1e-5 of
 `sum_k |x_k * w_nk|`; the PyTorch kernels take bf16 activations and give bf16 outputs (relative
 2^-8 each, so 2^-7 of that sum). The kernels must also agree with the product over the
@@ -49,17 +49,38 @@ def test_quantize_round_trip_within_half_a_step(expert_dtype, group_size):
     torch.manual_seed(0)
     w = torch.randn(48, 128) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scale
     w[3, :32] = 0  # an all-zero group
-    q, scales = quantize(w, expert_dtype, group_size, torch.float32)
+    w[5, :] += 3.0 * w[5].abs().max()  # a row far from zero: only a zero point keeps its resolution
+    q, scales, zeros = quantize(w, expert_dtype, group_size, torch.float32)
     group = group_size_for(128, group_size)
-    assert q.dtype == torch.int8 and scales.shape == (48, 128 // group)
+    assert q.dtype == torch.int8 and scales.shape == zeros.shape == (48, 128 // group)
     lo, hi = (-127, 127) if expert_dtype == "int8" else (-8, 7)
     assert int(q.min()) >= lo and int(q.max()) <= hi
-    err = (dequantize(q, scales, torch.float32) - w).abs()
+    w_deq = dequantize(q, scales, zeros, torch.float32)
+    err = (w_deq - w).abs()
     half_step = scales.repeat_interleave(group, dim=1) / 2
-    assert bool((err <= half_step * (1 + 1e-6)).all())
-    assert bool((dequantize(q, scales, torch.float32)[3, :32] == 0).all())
-    # the range is used: each group's largest |w| lands on the top code
-    assert int(q.abs().amax()) == (127 if expert_dtype == "int8" else 7)
+    assert bool((err <= half_step * (1 + 1e-5) + 1e-7 * w.abs()).all())
+    if expert_dtype == "int8" or group == 32:  # zero is exact on a symmetric grid, or in an all-zero group
+        assert bool((w_deq[3, :32] == 0).all())
+    grouped_q = q.reshape(48, -1, group)
+    if expert_dtype == "int8":  # symmetric: each group's largest |w| lands on the top code
+        assert bool((zeros == 0).all()) and int(q.abs().amax()) == 127
+    else:  # asymmetric: each non-constant group's minimum and maximum land on the end codes
+        varying = scales.reshape(-1) != 1  # constant groups keep scale 1
+        assert bool((grouped_q.amin(-1).reshape(-1)[varying] == -8).all())
+        assert bool((grouped_q.amax(-1).reshape(-1)[varying] == 7).all())
+
+
+def test_int4_zero_point_reproduces_an_asymmetric_16_level_grid():
+    """Weights already on a 16-level grid per group (as a Q4_1 GGUF dequantizes) come back exactly."""
+    torch.manual_seed(3)
+    step, low = torch.rand(8, 2, 1) * 0.01 + 0.001, torch.randn(8, 2, 1) * 0.05 - 0.02  # [O, G, 1]
+    levels = torch.randint(0, 16, (8, 2, 32)).float()
+    levels[..., 0], levels[..., 1] = 0, 15  # each group spans its whole grid
+    w = (levels * step + low).reshape(8, 64)
+    q, scales, zeros = quantize(w, "int4", 32, torch.float32)
+    assert torch.allclose(dequantize(q, scales, zeros, torch.float32), w, rtol=0, atol=1e-6)
+    symmetric_error = (w - _symmetric_int4(w, 32)).abs().max()
+    assert symmetric_error > 0.1 * float(step.min())  # the symmetric grid could not
 
 
 def test_group_size_shrinks_to_a_divisor_and_per_channel_takes_the_row():
@@ -107,8 +128,8 @@ def test_kernels_match_the_float_product_within_the_derived_bound(transposed, bi
         w = tensors[spec.name].t() if transposed else tensors[spec.name]  # [out, in]
         x = torch.randn(5, w.shape[1])
         got = views[spec.name].linear(x)  # [5, out]
-        q, scales = quantize(w, expert_dtype, group_size, views[spec.name].scales.dtype)
-        w_deq = dequantize(q, scales, torch.float32)
+        q, scales, zeros = quantize(w, expert_dtype, group_size, views[spec.name].scales.dtype)
+        w_deq = dequantize(q, scales, zeros, torch.float32)
         rounding = _rounding(x, w, layout[spec.name].packing)
         assert got.shape == (5, w.shape[0])
         assert bool(((got - F.linear(x, w_deq)).abs() <= rounding).all()), "kernel ≠ its dequantized weight"
@@ -133,8 +154,9 @@ def test_plain_int4_round_trips_through_its_nibbles():
     w = torch.randn(24, 64)
     buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
     pack_expert(layout, {"odd": w}, buffer)
-    q, scales = quantize(w, "int4", 32, torch.float32)
-    assert torch.equal(unpack_expert(layout, buffer)["odd"].dequantize(torch.float32), dequantize(q, scales, torch.float32))
+    q, scales, zeros = quantize(w, "int4", 32, torch.float32)
+    got = unpack_expert(layout, buffer)["odd"].dequantize(torch.float32)
+    assert torch.equal(got, dequantize(q, scales, zeros, torch.float32))
 
 
 def test_layout_is_aligned_compact_and_survives_json():
@@ -178,7 +200,7 @@ def test_bfloat16_compute_stays_within_the_bound_plus_bf16_rounding():
         w = tensors["gate_up_proj"]
         x = torch.randn(3, H)
         got = views["gate_up_proj"].linear(x.to(torch.bfloat16)).float()
-        _, scales = quantize(w, expert_dtype, 32, torch.bfloat16)
+        _, scales, _ = quantize(w, expert_dtype, 32, torch.bfloat16)
         bound = _error_bound(x, scales, H) + 2**-7 * (x.abs() @ w.abs().t()) + 1e-3
         assert bool(((got - F.linear(x, w)).abs() <= bound).all())
 
@@ -194,6 +216,13 @@ def test_cuda_tinygemm_matches_the_float_product():
     w = tensors["gate_up_proj"]
     x = torch.randn(3, H)
     got = views["gate_up_proj"].linear(x.cuda().to(torch.bfloat16)).float().cpu()
-    _, scales = quantize(w, "int4", 32, torch.bfloat16)
+    _, scales, _ = quantize(w, "int4", 32, torch.bfloat16)
     bound = _error_bound(x, scales, H) + 2**-7 * (x.abs() @ w.abs().t()) + 1e-3
     assert bool(((got - F.linear(x, w)).abs() <= bound).all())
+
+
+def _symmetric_int4(w: torch.Tensor, group: int) -> torch.Tensor:
+    """The former symmetric int4 (scale max |w| / 7, levels -8..7), dequantized: the comparison."""
+    grouped = w.reshape(w.shape[0], -1, group)
+    scale = grouped.abs().amax(-1, keepdim=True) / 7
+    return (torch.round(grouped / scale).clamp(-8, 7) * scale).reshape(w.shape)
