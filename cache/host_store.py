@@ -199,12 +199,17 @@ class HostStore:
             if seg.dtype == self.dtype:
                 _read_segment(seg, dst)
             else:
-                staging = torch.empty(seg.numel, dtype=seg.dtype)
-                _read_segment(seg, staging)
-                dst.copy_(staging)
+                dst.copy_(read_segment(seg))
             start += seg.numel
         if start != self.layout.numel:
             raise ValueError(f"expert {key} has {start} elements on disk, expected {self.layout.numel}")
+
+
+def read_segment(seg: Segment) -> torch.Tensor:
+    """One segment from disk as a new tensor of its own dtype (`[numel]`)."""
+    out = torch.empty(seg.numel, dtype=seg.dtype)
+    _read_segment(seg, out)
+    return out
 
 
 def _read_segment(seg: Segment, dst: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ CPU, the H200 figures in the shared measurements for CUDA), and the matmul follo
 - `int4-cuda`: tinygemm layout (`_convert_weight_to_int4pack`) for `_weight_int4pack_mm`.
 - `int4-plain`: two values per byte (even index in the high nibble), dequantized; for shapes or
   group sizes the kernels do not take.
+- `fp8`, `mxfp4`: the bytes of a checkpoint published quantized, as published (`cache.quant_formats`),
+  dequantized; laid out by `cache.quant_published`.
 The kernels compute in bf16 (their scales are bf16), the dequantize paths in the compute dtype.
 """
 
@@ -37,6 +39,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from cache.quant_formats import dequantize_fp8, dequantize_mxfp4, fp8_scale_grid
+
 QUANT_DTYPES = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
 QMIN = {"int8": -127, "int4": -8}
@@ -48,6 +52,7 @@ PER_CHANNEL = 0  # group_size meaning "one group per output channel"
 DEFAULT_GROUP_SIZE = {"int8": PER_CHANNEL, "int4": 32}
 KERNEL_INT4 = ("int4-cpu", "int4-cuda")
 KERNELS = ("int8-cpu", *KERNEL_INT4)  # packings computed by a PyTorch kernel, in bf16
+PUBLISHED_SCALE_DTYPES = {"fp8": torch.float32, "mxfp4": torch.uint8}  # as the checkpoints publish them
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ class PackedTensor:
     """Where one parameter lies in an expert buffer, and how it is stored."""
 
     name: str
-    packing: str  # "raw" | "int8-cpu" | "int8" | "int4-cpu" | "int4-cuda" | "int4-plain"
+    packing: str  # "raw" | "int8-cpu" | "int8" | "int4-cpu" | "int4-cuda" | "int4-plain" | "fp8" | "mxfp4"
     shape: tuple[int, ...]  # raw: its shape; quantized: [out, in]
     group_size: int  # quantized: elements per scale along `in`
     transposed: bool  # stored `[in, out]` in the checkpoint (see `ParamSpec`)
@@ -85,13 +90,15 @@ class PackedTensor:
     nbytes: int
     scale_offset: int = 0
     scale_nbytes: int = 0
+    block_rows: int = 1  # fp8: rows per scale (its block is block_rows × group_size)
+    row_parts: int = 1  # fp8: weights stacked along `out` (gate, up), each with its own scale grid
 
 
 @dataclass(frozen=True)
 class QuantLayout:
     """The byte layout of one quantized expert: every parameter's place in a flat uint8 buffer."""
 
-    expert_dtype: str  # "int8" | "int4"
+    expert_dtype: str  # "int8" | "int4" | "fp8" | "mxfp4" | a float dtype (a published checkpoint dequantized)
     compute_dtype: torch.dtype  # biases and (except tinygemm's bf16) scales are stored in it
     tensors: tuple[PackedTensor, ...]
     nbytes: int
@@ -189,7 +196,19 @@ def _inner_k_tiles(in_features: int) -> int:
 
 
 def scale_dtype(packing: str, compute_dtype: torch.dtype) -> torch.dtype:
+    if packing in PUBLISHED_SCALE_DTYPES:
+        return PUBLISHED_SCALE_DTYPES[packing]
     return torch.bfloat16 if packing in KERNELS else compute_dtype
+
+
+def scale_shape(t: PackedTensor) -> tuple[int, ...]:
+    """The scales of a packed weight: int4 (every packing) scale and zero point `[in/group, out, 2]`,
+    else one row per `block_rows` rows of each stacked part and one column per `group_size` columns
+    (rounded up)."""
+    out_f, in_f = t.shape
+    if t.packing.startswith("int4"):
+        return (in_f // t.group_size, out_f, 2)
+    return fp8_scale_grid((out_f, in_f), (t.block_rows, t.group_size), t.row_parts)
 
 
 def _aligned(n: int) -> int:
@@ -291,7 +310,9 @@ class QuantizedWeight:
     shape: tuple[int, int]  # [out, in]
     group_size: int
     data: torch.Tensor
-    scales: torch.Tensor  # int8: [out, G]; int4: scale and zero point, [G, out, 2]
+    scales: torch.Tensor  # int8: [out, G]; int4: scale and zero point, [G, out, 2]; fp8, mxfp4: `scale_shape`
+    block_rows: int = 1  # fp8 (see `PackedTensor`)
+    row_parts: int = 1
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., in] @ w.T → [..., out]` with the kernel of this packing (see module doc)."""
@@ -315,8 +336,12 @@ class QuantizedWeight:
         return F.linear(x, self.dequantize(x.dtype))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight `[out, in]` as the kernels see it (int8 and plain int4 only; the kernel
-        layouts are opaque, tests reach them through `linear`)."""
+        """The weight `[out, in]` as the kernels see it (int8, plain int4 and the published forms only;
+        the kernel layouts are opaque, tests reach them through `linear`)."""
+        if self.packing == "fp8":
+            return dequantize_fp8(self.data, self.scales, (self.block_rows, self.group_size), self.row_parts, dtype)
+        if self.packing == "mxfp4":
+            return dequantize_mxfp4(self.data, self.scales, dtype)
         if self.packing in ("int8", "int8-cpu"):
             return dequantize(self.data, self.scales, torch.zeros_like(self.scales), dtype)
         if self.packing == "int4-plain":
@@ -339,11 +364,10 @@ def unpack_expert(layout: QuantLayout, buffer: torch.Tensor) -> dict[str, torch.
         if t.packing == "raw":
             views[t.name] = data.view(layout.compute_dtype).view(t.shape)
             continue
-        out_f, in_f = t.shape
-        groups = in_f // t.group_size
         scales = _bytes_of(buffer, t.scale_offset, t.scale_nbytes).view(scale_dtype(t.packing, layout.compute_dtype))
-        scales = scales.view(groups, out_f, 2) if layout.expert_dtype == "int4" else scales.view(out_f, groups)
-        views[t.name] = QuantizedWeight(t.packing, t.shape, t.group_size, _weight_view(data, t), scales)
+        views[t.name] = QuantizedWeight(
+            t.packing, t.shape, t.group_size, _weight_view(data, t), scales.view(scale_shape(t)), t.block_rows, t.row_parts
+        )
     return views
 
 
@@ -351,7 +375,9 @@ def _weight_view(data: torch.Tensor, t: PackedTensor) -> torch.Tensor:
     out_f, in_f = t.shape
     if t.packing in ("int8", "int8-cpu"):
         return data.view(torch.int8).view(out_f, in_f)
+    if t.packing == "fp8":
+        return data.view(torch.float8_e4m3fn).view(out_f, in_f)
     if t.packing == "int4-cuda":
         tiles = _inner_k_tiles(in_f)
         return data.view(torch.int32).view(out_f // 8, in_f // (tiles * 16), 32, tiles // 2)
-    return data.view(out_f, in_f // 2)  # int4-cpu, int4-plain
+    return data.view(out_f, in_f // 2)  # int4-cpu, int4-plain, mxfp4

@@ -5,6 +5,10 @@ from transformers (`get_model_conversion_mapping`), so both expert layouts load 
 family: per-expert keys as checkpoints are published (`...experts.{e}.w1/w3/w2.weight` for
 Mixtral, `...experts.{e}.gate_proj/up_proj/down_proj.weight` for Qwen/DeepSeek/OLMoE, ...)
 and the fused keys transformers 5 holds in memory (`...experts.gate_up_proj [E, ...]`).
+
+Checkpoints published quantized in a format moe-serve reads (FP8 block-scaled, MXFP4; see
+`cache.quant_formats`) hold each quantized weight as two tensors, its data and its scales; they are
+paired first (`PublishedLocation`) and then mapped like any weight.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -29,17 +34,31 @@ from transformers.core_model_loading import (
 
 from cache.host_store import Segment
 from cache.policy import ExpertKey
+from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_grid
+from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
 from engine.moe_layers import MoELayer, interface_families
+
+
+@dataclass(frozen=True)
+class PublishedLocation:
+    """A weight published quantized: its data and its scales; `shape` is the weight's, `[..., out, in]`."""
+
+    data: TensorLocation
+    scales: TensorLocation
+    shape: tuple[int, ...]
+
+
+Location = TensorLocation | PublishedLocation
 
 
 @dataclass
 class ExpertSources:
     """One experts module's tensors on disk, per parameter of its `ExpertLayout`."""
 
-    fused: dict[str, TensorLocation] = field(default_factory=dict)  # param → [E, ...]
+    fused: dict[str, Location] = field(default_factory=dict)  # param → [E, ...]
     # param → expert → [(position among the converter's sources, per-expert tensor)]
-    per_expert: dict[str, dict[int, list[tuple[int, TensorLocation]]]] = field(
+    per_expert: dict[str, dict[int, list[tuple[int, Location]]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list))
     )
 
@@ -91,15 +110,37 @@ def read_config_dict(folder: Path) -> dict:
             f"its experts do not use transformers' fused experts interface; moe-serve supports: "
             f"{', '.join(families)} (`moe-serve --list-families`)"
         )
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise CheckpointError(
-            f"{folder} holds a quantized checkpoint ({method}); moe-serve loads unquantized "
-            f"(bf16/fp16/fp32) checkpoints only: use the unquantized release with --expert-dtype int8 or int4"
-        )
+    published_format(config, config_path)  # refuses the quantization formats moe-serve cannot read
     check_config_sizes(config, config_path)
     return config
+
+
+def published_format(config: dict, where: Path) -> PublishedFormat | None:
+    """The checkpoint's `quantization_config` if it is one moe-serve reads (FP8 block-scaled, MXFP4);
+    None for an unquantized checkpoint; `CheckpointError` naming any other method."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+    if method not in PUBLISHED_METHODS:
+        raise CheckpointError(
+            f"{where.parent} holds a quantized checkpoint ({method}); moe-serve loads unquantized "
+            f"(bf16/fp16/fp32) checkpoints and those published in {' or '.join(PUBLISHED_METHODS)}: use the "
+            f"unquantized release with --expert-dtype int8 or int4"
+        )
+    if method == "mxfp4":
+        return PublishedFormat("mxfp4", (1, MXFP4_BLOCK))
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_positive(b) for b in block)):
+        raise CheckpointError(f"{where}: an fp8 checkpoint needs weight_block_size [rows, columns] (block-scaled "
+                              f"FP8; per-tensor scales are not supported), not {block!r}")
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{where}: fp8 format {quantization['fmt']!r} is not supported (e4m3 only)")
+    return PublishedFormat("fp8", (block[0], block[1]))
+
+
+def _is_positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # config.json sizes and their bounds, checked before anything is built from them; the bounds are
@@ -141,14 +182,14 @@ def checkpoint_digest(folder: Path) -> str:
 
 
 def split_checkpoint(
-    folder: Path, model: nn.Module, moe_layers: list[MoELayer]
-) -> tuple[dict[str, TensorLocation], dict[str, ExpertSources]]:
+    folder: Path, model: nn.Module, moe_layers: list[MoELayer], fmt: PublishedFormat | None = None
+) -> tuple[dict[str, Location], dict[str, ExpertSources]]:
     """(dense tensors by parameter name, expert tensors by experts module path)."""
     mapper = _KeyMapper(model)
     params = {(layer.path, name) for layer in moe_layers for name, _ in layer.layout.parts}
-    dense: dict[str, TensorLocation] = {}
+    dense: dict[str, Location] = {}
     experts: dict[str, ExpertSources] = defaultdict(ExpertSources)
-    for key, loc in index_checkpoint(folder).items():
+    for key, loc in pair_published(index_checkpoint(folder), fmt).items():
         target, converter, pattern = mapper.map(key)
         owner, _, param = target.rpartition(".")
         if (owner, param) not in params:
@@ -163,27 +204,119 @@ def split_checkpoint(
 
 
 def expert_segments(layer: MoELayer, sources: ExpertSources, moe_layer: int) -> dict[ExpertKey, list[Segment]]:
-    """Disk segments of each expert of `layer`, in the order of its `ExpertLayout`."""
-    segments: dict[ExpertKey, list[Segment]] = {}
+    """Disk segments of each expert of `layer` (an unquantized checkpoint), in the order of its `ExpertLayout`."""
+    return {
+        key: [part.data for parts in expert.values() for part in parts]
+        for key, expert in expert_parts(layer, sources, moe_layer).items()
+    }
+
+
+def expert_parts(layer: MoELayer, sources: ExpertSources, moe_layer: int) -> dict[ExpertKey, ExpertParts]:
+    """Each expert of `layer`: its parameters' tensors on disk (data and scales where published
+    quantized), per parameter of its `ExpertLayout`, stacked parts in the converter's order."""
+    experts: dict[ExpertKey, ExpertParts] = {}
     for e in range(layer.num_experts):
-        expert = []
+        expert = {}
         for param, shape in layer.layout.parts:
             if param in sources.fused:
-                _check_fused(sources.fused[param], param, shape, layer.num_experts, moe_layer)
-                expert.append(Segment.slice_of(sources.fused[param], e))
+                loc = sources.fused[param]
+                _check_fused(loc, param, _stored_shape(loc, shape, layer), layer.num_experts, moe_layer)
+                expert[param] = [_part_of(loc, e)]
                 continue
             parts = sorted(sources.per_expert.get(param, {}).get(e, []), key=lambda p: p[0])
             if not parts:
                 raise CheckpointError(f"MoE layer {moe_layer} expert {e} lacks its {param} weight")
-            expert.extend(Segment.slice_of(loc) for _, loc in parts)
-            numel = sum(s.numel for s in expert[-len(parts):])
+            numel = sum(math.prod(loc.shape) for _, loc in parts)
             if numel != math.prod(shape):
                 raise CheckpointError(
                     f"MoE layer {moe_layer} expert {e}: {param} has {numel} elements on disk, "
                     f"the config implies {list(shape)}"
                 )
-        segments[(moe_layer, e)] = expert
-    return segments
+            expert[param] = [_part_of(loc) for _, loc in parts]
+        experts[(moe_layer, e)] = expert
+    return experts
+
+
+def _part_of(loc: Location, index: int | None = None) -> PublishedPart:
+    if isinstance(loc, PublishedLocation):
+        return PublishedPart(Segment.slice_of(loc.data, index), Segment.slice_of(loc.scales, index))
+    return PublishedPart(Segment.slice_of(loc, index))
+
+
+def _stored_shape(loc: Location, shape: tuple[int, ...], layer: MoELayer) -> tuple[int, ...]:
+    """A published weight is stored `[out, in]` even where the family holds it `[in, out]` (GPT-OSS)."""
+    return shape[::-1] if isinstance(loc, PublishedLocation) and layer.experts.is_transposed else shape
+
+
+# -- published quantized weights: pairing data and scales -----------------------------------------
+
+
+def pair_published(index: dict[str, TensorLocation], fmt: PublishedFormat | None) -> dict[str, Location]:
+    """`index` with each published weight's data and scale tensors paired under the weight's key
+    (fp8: `X.weight` + `X.weight_scale_inv` → `X.weight`; mxfp4: `X_blocks` + `X_scales` → `X`)."""
+    data_suffix, scale_suffix = {"fp8": (".weight", ".weight_scale_inv"), "mxfp4": ("_blocks", "_scales")}.get(
+        fmt.method if fmt else "", ("", "")
+    )
+    paired: dict[str, Location] = {}
+    for key, loc in index.items():
+        if scale_suffix and key.endswith(scale_suffix):
+            data_key = key.removesuffix(scale_suffix) + data_suffix
+            if data_key not in index or not _is_published_data(index[data_key], fmt):
+                raise CheckpointError(f"{key}: scales without a {fmt.method} weight {data_key}")
+        elif scale_suffix and key.endswith(data_suffix) and _is_published_data(loc, fmt):
+            scale_key = key.removesuffix(data_suffix) + scale_suffix
+            if scale_key not in index:
+                raise CheckpointError(f"{key} is published quantized ({fmt.method}) but its scales {scale_key} "
+                                      f"are missing; the checkpoint is incomplete")
+            name = key if fmt.method == "fp8" else key.removesuffix(data_suffix)
+            paired[name] = _published_location(key, loc, index[scale_key], fmt)
+        elif loc.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"{key} is float8 without scales (config.json quantization_config: "
+                                  f"{fmt.method if fmt else 'none'}); the checkpoint is inconsistent")
+        else:
+            paired[key] = loc
+    return paired
+
+
+def _is_published_data(loc: TensorLocation, fmt: PublishedFormat) -> bool:
+    """fp8: only float8 `.weight`s carry scales (norms, the router, embeddings stay as they are)."""
+    return fmt.method == "mxfp4" or loc.dtype == torch.float8_e4m3fn
+
+
+def _published_location(key: str, data: TensorLocation, scales: TensorLocation, fmt: PublishedFormat) -> PublishedLocation:
+    """The pair, its shapes and dtypes checked against the format."""
+    shape, grid, scale_dtypes = (_fp8_shapes if fmt.method == "fp8" else _mxfp4_shapes)(key, data, fmt)
+    if scales.dtype not in scale_dtypes or scales.shape != grid:
+        raise CheckpointError(f"{key}: its scales are {scales.dtype} {list(scales.shape)}; {fmt.method} with blocks "
+                              f"{list(fmt.block)} needs {scale_dtypes[0]} {list(grid)}")
+    return PublishedLocation(data, scales, shape)
+
+
+def _fp8_shapes(key: str, data: TensorLocation, fmt: PublishedFormat):
+    """(weight shape, scale grid, scale dtypes) of a float8 weight `[..., out, in]`."""
+    if len(data.shape) < 2:
+        raise CheckpointError(f"{key}: a float8 weight of shape {list(data.shape)}; a matrix was expected")
+    grid = (*data.shape[:-2], *fp8_scale_grid(data.shape[-2:], fmt.block))
+    return data.shape, grid, (torch.float32, torch.bfloat16)
+
+
+def _mxfp4_shapes(key: str, data: TensorLocation, fmt: PublishedFormat):
+    """(weight shape, scale grid, scale dtypes) of MXFP4 blocks uint8 `[..., out, in/32, 16]`."""
+    if data.dtype != torch.uint8 or len(data.shape) < 3 or data.shape[-1] * 2 != MXFP4_BLOCK:
+        raise CheckpointError(f"{key}: {data.dtype} {list(data.shape)} is not MXFP4 blocks "
+                              f"(uint8 [..., out, in/{MXFP4_BLOCK}, {MXFP4_BLOCK // 2}])")
+    *lead, out_f, groups, _ = data.shape
+    return (*lead, out_f, groups * MXFP4_BLOCK), data.shape[:-1], (torch.uint8,)
+
+
+def read_dequantized(loc: PublishedLocation, fmt: PublishedFormat) -> torch.Tensor:
+    """A published weight decoded to float32, in its shape `[..., out, in]`."""
+    data, scales = loc.data.read(), loc.scales.read()
+    out_f, in_f = loc.shape[-2:]
+    rows = data.reshape(-1, out_f, in_f // 2 if fmt.method == "mxfp4" else in_f)  # [n, out, bytes per row]
+    grids = scales.reshape(rows.shape[0], -1)
+    weights = [dequantize_published(fmt.method, d, s, fmt.block, torch.float32) for d, s in zip(rows, grids)]
+    return torch.stack(weights).view(loc.shape)
 
 
 class _KeyMapper:
@@ -227,7 +360,7 @@ def _expert_number(key: str, pattern: str) -> int:
     return int(match.group(1))
 
 
-def _check_fused(loc: TensorLocation, param: str, shape: tuple[int, ...], num_experts: int, moe_layer: int) -> None:
+def _check_fused(loc: Location, param: str, shape: tuple[int, ...], num_experts: int, moe_layer: int) -> None:
     """A fused tensor holds one block per expert: fewer experts than the config's would send
     an expert's reads into the bytes of another tensor."""
     if loc.shape != (num_experts, *shape):

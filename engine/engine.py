@@ -35,7 +35,7 @@ from engine.api import (
     Usage,
 )
 from engine.chat_messages import prepare_messages, template_info
-from engine.checkpoint import checkpoint_digest, resolve_model_path
+from engine.checkpoint import checkpoint_digest, published_format, read_config_dict, resolve_model_path
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
@@ -407,12 +407,16 @@ def _model_folder(config: EngineConfig) -> Path:
 
 
 def _quant_request(config: EngineConfig, folder: Path, device: torch.device) -> QuantRequest | None:
-    """`--expert-dtype int8|int4`: which form, and its file under the state folder (one per form and device)."""
-    if config.expert_dtype not in QUANT_DTYPES:
+    """`--expert-dtype int8|int4`, or any expert dtype of a checkpoint published quantized (FP8, MXFP4): which
+    form, and its file under the state folder (one per form and device)."""
+    published = published_format(read_config_dict(folder), folder / "config.json")
+    if config.expert_dtype not in QUANT_DTYPES and published is None:
         return None  # auto, bf16: the checkpoint's weights in --dtype
-    group = DEFAULT_GROUP_SIZE[config.expert_dtype] if config.expert_group_size is None else config.expert_group_size
+    group = DEFAULT_GROUP_SIZE.get(config.expert_dtype, 0) if config.expert_group_size is None else config.expert_group_size
     digest = checkpoint_digest(folder)
     form = f"{config.expert_dtype}-g{group or 'channel'}-{device.type}"
+    if config.expert_dtype not in QUANT_DTYPES:  # the published bytes (auto), or decoded into --dtype (bf16)
+        form = f"{published.method}-{config.expert_dtype}-{device.type}"
     path = default_quant_path(f"{config.model or DEMO_MODEL_NAME}|{digest}", form)
     return QuantRequest(config.expert_dtype, group, path, digest)
 

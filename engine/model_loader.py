@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,30 @@ import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
 from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
 from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import ExpertKey, make_policy
-from cache.quant import ParamSpec, QuantLayout, pack_expert, plan_layout
+from cache.quant import QUANT_DTYPES, ParamSpec, QuantLayout, pack_expert, plan_layout
+from cache.quant_published import (
+    ExpertParts,
+    PublishedFormat,
+    dequantized_expert,
+    pack_published_expert,
+    plan_float_layout,
+    plan_published_layout,
+)
 from cache.quant_store import open_quant_store
 from cache.runtime import ExpertRuntime
-from cache.safetensors_index import CheckpointError, TensorLocation
+from cache.safetensors_index import CheckpointError
 from cache.stats import CacheStats
-from engine.checkpoint import ExpertSources, expert_segments, read_config_dict, split_checkpoint
+from engine.checkpoint import (
+    ExpertSources,
+    Location,
+    PublishedLocation,
+    expert_parts,
+    expert_segments,
+    published_format,
+    read_config_dict,
+    read_dequantized,
+    split_checkpoint,
+)
 from engine.moe_layers import MoELayer, find_moe_layers, top_k_of
 from engine.offloaded_experts import OffloadedExperts
 
@@ -42,9 +61,10 @@ class CacheSizing:
 
 @dataclass(frozen=True)
 class QuantRequest:
-    """Quantize the experts (`--expert-dtype int8|int4`), keeping the result in `store_path`."""
+    """Quantize the experts (`--expert-dtype int8|int4`), or lay out those of a checkpoint published
+    quantized (`auto`: its bytes; `bf16`: decoded into the compute dtype), keeping the result in `store_path`."""
 
-    expert_dtype: str  # "int8" | "int4"
+    expert_dtype: str  # "int8" | "int4" | "auto" | "bf16"
     group_size: int  # 0: one scale per output channel
     store_path: Path
     checkpoint: str  # the checkpoint's digest: a file for other weights is rebuilt
@@ -73,7 +93,7 @@ def load_offloaded_model(
     policy: str = "lru",
     quant: QuantRequest | None = None,
 ) -> OffloadedModel:
-    read_config_dict(folder)  # refuses unsupported architectures with a clear message
+    fmt = published_format(read_config_dict(folder), folder / "config.json")  # refuses what cannot be served
     config = AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
@@ -86,12 +106,9 @@ def load_offloaded_model(
     if any((layer.layout, layer.num_experts) != (layout, num_experts) for layer in moe_layers):
         raise CheckpointError(f"{config.model_type}: MoE layers of different shapes are not supported")
     top_k = top_k_of(model, moe_layers)
-    dense, expert_sources = split_checkpoint(folder, model, moe_layers)
+    dense, expert_sources = split_checkpoint(folder, model, moe_layers, fmt)
 
-    sources = _expert_sources(folder, expert_sources, moe_layers)
-    quant_layout = None
-    if quant is not None:
-        quant_layout, sources = _quantized_sources(sources, moe_layers[0], dtype, device, quant)
+    quant_layout, sources = _expert_files(folder, expert_sources, moe_layers, dtype, device, quant, fmt)
     host = _build_host_store(sources, quant_layout or layout, torch.uint8 if quant_layout else dtype, device, sizing)
     cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
@@ -100,7 +117,7 @@ def load_offloaded_model(
     for experts in offloaded:
         experts.install()
 
-    _load_dense(model, dense, device, dtype)
+    _load_dense(model, dense, device, dtype, fmt)
     model.to(device)  # the buffers (rotary tables) built on the host at init
     tiers = (
         f"{cache.capacity} experts in RAM, computed in place, the rest read from disk"
@@ -130,32 +147,98 @@ def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, po
     return cache
 
 
-def _expert_sources(
-    folder: Path, expert_sources: dict[str, ExpertSources], moe_layers: list[MoELayer]
-) -> dict[ExpertKey, list[Segment]]:
-    sources = {}
+ReadFloat = Callable[[ExpertKey, torch.Tensor], None]  # fills a float32 `[layout.numel]` buffer with one expert
+
+
+def _expert_files(
+    folder: Path,
+    expert_sources: dict[str, ExpertSources],
+    moe_layers: list[MoELayer],
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantRequest | None,
+    fmt: PublishedFormat | None,
+) -> tuple[QuantLayout | None, dict[ExpertKey, list[Segment]]]:
+    """Where each expert buffer lies on disk, and its layout (None: floats in the layers' `ExpertLayout`,
+    read from the checkpoint itself)."""
+    layer = moe_layers[0]
+    if fmt is None:
+        sources = _per_expert(folder, expert_sources, moe_layers, expert_segments)
+        if quant is None:
+            return None, sources
+        return _quantized_sources(list(sources), layer, dtype, device, quant, _float_reader(sources, layer))
+    if quant is None:
+        raise ValueError(f"a checkpoint published in {fmt.method} needs a QuantRequest: where to lay out its experts")
+    parts = _per_expert(folder, expert_sources, moe_layers, expert_parts)
+    if quant.expert_dtype in QUANT_DTYPES:
+        return _quantized_sources(list(parts), layer, dtype, device, quant, _dequantizing_reader(parts, layer, fmt))
+    return _published_sources(parts, layer, dtype, quant, fmt)
+
+
+def _per_expert(folder: Path, expert_sources: dict[str, ExpertSources], moe_layers: list[MoELayer], of_layer) -> dict:
+    """`of_layer(layer, its sources, MoE layer number)` (segments or parts by expert) over every MoE layer."""
+    found = {}
     for moe_index, layer in enumerate(moe_layers):
         if layer.path not in expert_sources:
             raise CheckpointError(f"{folder} has no expert weights for {layer.path}")
-        sources.update(expert_segments(layer, expert_sources[layer.path], moe_index))
-    return sources
+        found.update(of_layer(layer, expert_sources[layer.path], moe_index))
+    return found
+
+
+def _param_specs(layer: MoELayer) -> list[ParamSpec]:
+    transposed = bool(layer.experts.is_transposed)  # GPT-OSS style `[in, out]` weights
+    return [ParamSpec(name, shape, transposed and len(shape) == 2) for name, shape in layer.layout.parts]
+
+
+def _float_reader(sources: dict[ExpertKey, list[Segment]], layer: MoELayer) -> ReadFloat:
+    return HostStore(sources, layer.layout, torch.float32, capacity=0).read_into  # reads experts from disk only
+
+
+def _dequantizing_reader(parts: dict[ExpertKey, ExpertParts], layer: MoELayer, fmt: PublishedFormat) -> ReadFloat:
+    """Each expert of a published checkpoint decoded to float32 (once, to quantize it in another form)."""
+    specs = _param_specs(layer)
+
+    def read_into(key: ExpertKey, flat: torch.Tensor) -> None:
+        views = layer.layout.views(flat)
+        for name, weight in dequantized_expert(specs, fmt, parts[key]).items():
+            views[name].copy_(weight)
+
+    return read_into
 
 
 def _quantized_sources(
-    sources: dict[ExpertKey, list[Segment]], layer: MoELayer, dtype: torch.dtype, device: torch.device, quant: QuantRequest
+    keys: list[ExpertKey], layer: MoELayer, dtype: torch.dtype, device: torch.device, quant: QuantRequest,
+    read_float: ReadFloat,
 ) -> tuple[QuantLayout, dict[ExpertKey, list[Segment]]]:
     """The experts quantized (once: the file is reused by later starts) and where each lies in that file."""
-    transposed = bool(layer.experts.is_transposed)  # GPT-OSS style `[in, out]` weights
-    specs = [ParamSpec(name, shape, transposed and len(shape) == 2) for name, shape in layer.layout.parts]
-    quant_layout = plan_layout(specs, quant.expert_dtype, quant.group_size, dtype, device.type)
-    checkpoint = HostStore(sources, layer.layout, torch.float32, capacity=0)  # reads experts from disk only
+    quant_layout = plan_layout(_param_specs(layer), quant.expert_dtype, quant.group_size, dtype, device.type)
 
     def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
         flat = torch.empty(layer.layout.numel, dtype=torch.float32)
-        checkpoint.read_into(key, flat)
+        read_float(key, flat)
         pack_expert(quant_layout, layer.layout.views(flat), out)
 
-    return quant_layout, open_quant_store(quant.store_path, quant.checkpoint, quant_layout, list(sources), pack_one)
+    return quant_layout, open_quant_store(quant.store_path, quant.checkpoint, quant_layout, keys, pack_one)
+
+
+def _published_sources(
+    parts: dict[ExpertKey, ExpertParts], layer: MoELayer, dtype: torch.dtype, quant: QuantRequest, fmt: PublishedFormat
+) -> tuple[QuantLayout, dict[ExpertKey, list[Segment]]]:
+    """A published checkpoint's experts laid out once in the store: `auto` their published bytes,
+    copied; `bf16` decoded into the compute dtype."""
+    specs = _param_specs(layer)
+    if quant.expert_dtype == "auto":
+        layout = plan_published_layout(specs, fmt, next(iter(parts.values())), dtype)
+
+        def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+            pack_published_expert(layout, parts[key], out)
+    else:
+        layout = plan_float_layout(specs, dtype)
+
+        def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+            pack_expert(layout, dequantized_expert(specs, fmt, parts[key]), out)
+
+    return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, list(parts), pack_one)
 
 
 def _build_host_store(
@@ -205,8 +288,10 @@ def _keeps_fp32(model: nn.Module, name: str) -> bool:
 
 
 def _load_dense(
-    model: nn.Module, dense: dict[str, TensorLocation], device: torch.device, dtype: torch.dtype
+    model: nn.Module, dense: dict[str, Location], device: torch.device, dtype: torch.dtype,
+    fmt: PublishedFormat | None = None,
 ) -> None:
+    """The dense weights onto the device in `dtype`; published quantized ones decoded once (they are small)."""
     missing = []
     for name, param in list(model.named_parameters()):
         loc = dense.pop(name, None)
@@ -215,14 +300,13 @@ def _load_dense(
             continue
         _check_shape(name, loc, tuple(param.shape))
         target = torch.float32 if _keeps_fp32(model, name) else dtype
-        _set_tensor(
-            model, name, nn.Parameter(loc.read().to(device=device, dtype=target), requires_grad=False)
-        )
+        value = _read_dense(loc, fmt).to(device=device, dtype=target)
+        _set_tensor(model, name, nn.Parameter(value, requires_grad=False))
     for name, buffer in list(model.named_buffers()):
         loc = dense.pop(name, None)
         if loc is not None:
             _check_shape(name, loc, tuple(buffer.shape))
-            _set_tensor(model, name, loc.read().to(device=device, dtype=buffer.dtype))
+            _set_tensor(model, name, _read_dense(loc, fmt).to(device=device, dtype=buffer.dtype))
     if getattr(model.config, "tie_word_embeddings", False):
         missing = [name for name in missing if name != "lm_head.weight"]
         if model.lm_head.weight.is_meta:
@@ -235,7 +319,11 @@ def _load_dense(
         )
 
 
-def _check_shape(name: str, loc: TensorLocation, expected: tuple[int, ...]) -> None:
+def _read_dense(loc: Location, fmt: PublishedFormat | None) -> torch.Tensor:
+    return read_dequantized(loc, fmt) if isinstance(loc, PublishedLocation) else loc.read()
+
+
+def _check_shape(name: str, loc: Location, expected: tuple[int, ...]) -> None:
     if loc.shape != expected:
         raise CheckpointError(
             f"{name} has shape {list(loc.shape)} in the checkpoint, the config implies {list(expected)}"

@@ -123,7 +123,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--expert-dtype", EngineConfig, str, "how experts are stored, moved and computed: auto or bf16 keep "
          "the checkpoint's weights (in --dtype); int8 halves the bytes per expert of bf16, int4 divides them "
          "by about 3.2 at group 32, 3.6 at 64 (weight-only, group-wise: int8 symmetric, int4 with a zero point; quantized once at load and kept on disk beside "
-         "the EAMC). The startup log and /v1/expert-cache show the bytes per expert", choices=EXPERT_DTYPES),
+         "the EAMC). On an FP8 or MXFP4 checkpoint auto keeps the experts' published bytes (decoded per use) and the "
+         "others start from the decoded weights. The startup log and /v1/expert-cache show the bytes per expert",
+         choices=EXPERT_DTYPES),
     Flag("--expert-group-size", EngineConfig, int, "weights per quantization scale along a row; 0: one "
          "scale per output channel; a size that does not divide a row shrinks to a divisor", "N",
          default_text="int8: per channel (the CPU kernel's form), int4: 32"),

@@ -117,12 +117,13 @@ def test_unknown_expert_dtype_or_negative_group_is_refused():
         EngineConfig(expert_group_size=-1)
 
 
-def test_a_checkpoint_published_quantized_is_refused_naming_its_format(folder, tmp_path):
-    copy = shutil.copytree(folder, tmp_path / "fp8")
+def test_a_checkpoint_published_in_a_format_not_read_is_refused_naming_it(folder, tmp_path):
+    """FP8 and MXFP4 load (tests/test_published_quant.py); GPTQ, AWQ, ... do not."""
+    copy = shutil.copytree(folder, tmp_path / "gptq")
     config = json.loads((copy / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="quantized checkpoint \\(fp8\\).*--expert-dtype int8 or int4"):
+    with pytest.raises(CheckpointError, match="quantized checkpoint \\(gptq\\).*fp8 or mxfp4.*--expert-dtype int8 or int4"):
         read_config_dict(copy)
 
 
