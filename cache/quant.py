@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from cache.quant_formats import dequantize_fp8, dequantize_mxfp4, fp8_scale_grid
 
-QUANT_DTYPES = ("int8", "int4")
+MIXED = "int4-mixed"  # int4 gate/up, int8 per-channel down_proj (on the demo model all int4 loss is in down_proj)
+QUANT_DTYPES = ("int8", "int4", MIXED)
 QMAX = {"int8": 127, "int4": 7}
 QMIN = {"int8": -127, "int4": -8}
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what both int4 kernels accept
@@ -49,7 +50,7 @@ ALIGN = 64  # every tensor in a buffer starts on a 64-byte boundary (dtype views
 PER_CHANNEL = 0  # group_size meaning "one group per output channel"
 # int8: the CPU kernel's form; int4: the smallest group the kernels take, the best quality they reach
 # (demo model: 78% token agreement at 32, 75% at 64; bench/RESULTS.md "quality")
-DEFAULT_GROUP_SIZE = {"int8": PER_CHANNEL, "int4": 32}
+DEFAULT_GROUP_SIZE = {"int8": PER_CHANNEL, "int4": 32, MIXED: 32}  # MIXED: its int4 weights' group
 KERNEL_INT4 = ("int4-cpu", "int4-cuda")
 KERNELS = ("int8-cpu", *KERNEL_INT4)  # packings computed by a PyTorch kernel, in bf16
 PUBLISHED_SCALE_DTYPES = {"fp8": torch.float32, "mxfp4": torch.uint8}  # as the checkpoints publish them
@@ -98,7 +99,7 @@ class PackedTensor:
 class QuantLayout:
     """The byte layout of one quantized expert: every parameter's place in a flat uint8 buffer."""
 
-    expert_dtype: str  # "int8" | "int4" | "fp8" | "mxfp4" | a float dtype (a published checkpoint dequantized)
+    expert_dtype: str  # "int8" | "int4" | "int4-mixed" | "fp8" | "mxfp4" | a float dtype (a published checkpoint dequantized)
     compute_dtype: torch.dtype  # biases and (except tinygemm's bf16) scales are stored in it
     tensors: tuple[PackedTensor, ...]
     nbytes: int
@@ -233,17 +234,32 @@ def plan_layout(
             offset = _aligned(offset + nbytes)
             continue
         out_f, in_f = p.out_in
-        group = group_size_for(in_f, group_size)
-        packing = choose_packing(expert_dtype, (out_f, in_f), group, device_type)
-        nbytes = out_f * in_f // (1 if expert_dtype == "int8" else 2)
+        weight_dtype, weight_group = weight_form(expert_dtype, p.name, group_size)
+        group = group_size_for(in_f, weight_group)
+        packing = choose_packing(weight_dtype, (out_f, in_f), group, device_type)
+        nbytes = out_f * in_f // (1 if weight_dtype == "int8" else 2)
         scale_offset = _aligned(offset + nbytes)
         scale_nbytes = out_f * (in_f // group) * scale_dtype(packing, compute_dtype).itemsize
-        scale_nbytes *= 2 if expert_dtype == "int4" else 1  # a zero point beside each scale
+        scale_nbytes *= 2 if weight_dtype == "int4" else 1  # a zero point beside each scale
         tensors.append(PackedTensor(
             p.name, packing, (out_f, in_f), group, p.transposed, offset, nbytes, scale_offset, scale_nbytes
         ))
         offset = _aligned(scale_offset + scale_nbytes)
     return QuantLayout(expert_dtype, compute_dtype, tuple(tensors), offset)
+
+
+def weight_form(expert_dtype: str, name: str, group_size: int) -> tuple[str, int]:
+    """(int8 | int4, group size) of one expert weight: `int4-mixed` keeps `down_proj` in int8 per channel
+    (the output projection carries most of int4's error: bench/RESULTS.md, quality; llama.cpp's Q4_K_M
+    also stores ffn_down wider)."""
+    if expert_dtype == MIXED:
+        return ("int8", PER_CHANNEL) if name == "down_proj" else ("int4", group_size)
+    return expert_dtype, group_size
+
+
+def int_dtype_of(packing: str) -> str:
+    """The integer form (int8 | int4) a packing holds."""
+    return "int8" if packing.startswith("int8") else "int4"
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -265,9 +281,10 @@ def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: to
             _bytes_of(out, t.offset, t.nbytes).copy_(value.to(layout.compute_dtype).reshape(-1).view(torch.uint8))
             continue
         weight = value.t() if t.transposed else value  # [out, in]
-        q, scales, zeros = quantize(weight, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
+        int_dtype = int_dtype_of(t.packing)
+        q, scales, zeros = quantize(weight, int_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
         _bytes_of(out, t.offset, t.nbytes).copy_(_pack_weight(q, t.packing).reshape(-1).view(torch.uint8).cpu())
-        scale_bytes = _pack_scales(scales, zeros, layout.expert_dtype).reshape(-1).view(torch.uint8)
+        scale_bytes = _pack_scales(scales, zeros, int_dtype).reshape(-1).view(torch.uint8)
         _bytes_of(out, t.scale_offset, t.scale_nbytes).copy_(scale_bytes)
 
 

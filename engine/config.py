@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
-EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
+EXPERT_DTYPES = ("auto", "bf16", "int8", "int4", "int4-mixed")
 MAX_NAME_CHARS = 256
 
 
@@ -33,8 +33,8 @@ class EngineConfig:
     eamc_capacity: int = 256  # cache/eamc.py DEFAULT_CAPACITY: no gain beyond ~100 entries in replay
     record_trace: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4
-    expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 32
+    expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4 | int4-mixed
+    expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 (and int4-mixed's int4 weights) 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -122,13 +122,14 @@ FLAGS: tuple[Flag, ...] = (
          choices=DTYPES),
     Flag("--expert-dtype", EngineConfig, str, "how experts are stored, moved and computed: auto or bf16 keep "
          "the checkpoint's weights (in --dtype); int8 halves the bytes per expert of bf16, int4 divides them "
-         "by about 3.2 at group 32, 3.6 at 64 (weight-only, group-wise: int8 symmetric, int4 with a zero point; quantized once at load and kept on disk beside "
+         "by about 3.2 at group 32, 3.6 at 64, int4-mixed (int4 gate/up, int8 down_proj: much closer to bf16) by 2.7 "
+         "(weight-only, group-wise: int8 symmetric, int4 with a zero point; quantized once at load and kept on disk beside "
          "the EAMC). On an FP8 or MXFP4 checkpoint auto keeps the experts' published bytes (decoded per use) and the "
          "others start from the decoded weights. The startup log and /v1/expert-cache show the bytes per expert",
          choices=EXPERT_DTYPES),
     Flag("--expert-group-size", EngineConfig, int, "weights per quantization scale along a row; 0: one "
          "scale per output channel; a size that does not divide a row shrinks to a divisor", "N",
-         default_text="int8: per channel (the CPU kernel's form), int4: 32"),
+         default_text="int8: per channel (the CPU kernel's form), int4: 32; int4-mixed: 32 for its int4 weights, down_proj per channel"),
     Flag("--expert-cache-experts", EngineConfig, int, "device expert cache size in experts, over all layers", "N",
          default_text="on CUDA all free device memory but 2 GiB; on CPU all experts, computed in RAM where they lie (the smallest of this, --expert-cache-gb and --host-cache-gb)"),
     Flag("--expert-cache-gb", EngineConfig, float, "device expert cache size in GiB (instead of "

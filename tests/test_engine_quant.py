@@ -14,7 +14,7 @@ import torch
 import engine.model_loader as model_loader
 from cache.expert_cache import ExpertCache, SlotBackend
 from cache.miss_planner import MissCosts, MissPlanner
-from cache.quant import dequantize, quantize, scale_dtype
+from cache.quant import dequantize, int_dtype_of, quantize, scale_dtype
 from cache.safetensors_index import CheckpointError
 from cache.stats import CacheStats
 from engine.checkpoint import read_config_dict
@@ -54,7 +54,7 @@ def _fake_quantized_reference(folder, layout) -> torch.nn.Module:
                 weights = getattr(layer.experts, t.name)  # [E, out, in], or [E, in, out] transposed
                 for e in range(weights.shape[0]):
                     w = weights[e].t() if t.transposed else weights[e]
-                    q, s, z = quantize(w, layout.expert_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
+                    q, s, z = quantize(w, int_dtype_of(t.packing), t.group_size, scale_dtype(t.packing, layout.compute_dtype))
                     w.copy_(dequantize(q, s, z, torch.float32))  # `w` is a view: writes the model's weight
     return model
 
@@ -62,7 +62,9 @@ def _fake_quantized_reference(folder, layout) -> torch.nn.Module:
 @pytest.mark.parametrize(
     "family,expert_dtype,group_size",
     [("mixtral", "int8", None), ("mixtral", "int8", 16), ("mixtral", "int4", None), ("mixtral", "int4", 16),
-     ("gpt_oss", "int8", None), ("gpt_oss", "int4", None)],
+     ("mixtral", "int4-mixed", None), ("gpt_oss", "int8", None), ("gpt_oss", "int4", None)],
+    # gpt_oss int4-mixed is left out: its token 0 has two experts 0.0006 apart in the last router, and the
+    # bf16 activations flip them (a near tie, not an error); tests/test_quant.py checks its transposed layout
 )
 def test_engine_computes_what_transformers_computes_with_the_quantized_weights(
     request, family, expert_dtype, group_size
@@ -70,6 +72,8 @@ def test_engine_computes_what_transformers_computes_with_the_quantized_weights(
     folder = request.getfixturevalue("folder" if family == "mixtral" else "gpt_oss_folder")
     engine = _engine(folder, expert_dtype=expert_dtype, expert_group_size=group_size)
     layout = engine.loaded.quant
+    if expert_dtype == "int4-mixed":
+        assert int_dtype_of(layout["gate_up_proj"].packing) == "int4" and int_dtype_of(layout["down_proj"].packing) == "int8"
     if family == "gpt_oss":  # what this family adds: weights stored [in, out], biases kept unquantized
         assert layout["gate_up_proj"].transposed and layout["down_proj"].transposed
         assert layout["gate_up_proj_bias"].packing == layout["down_proj_bias"].packing == "raw"

@@ -22,6 +22,7 @@ from cache.quant import (
     QuantLayout,
     dequantize,
     group_size_for,
+    int_dtype_of,
     pack_expert,
     plan_layout,
     quantize,
@@ -109,7 +110,7 @@ def _expert_tensors(transposed: bool, bias: bool) -> tuple[list[ParamSpec], dict
 
 
 LAYOUT_CASES = [(False, False), (False, True), (True, True), (True, False)]
-FORMS = [("int8", PER_CHANNEL), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", PER_CHANNEL)]
+FORMS = [("int8", PER_CHANNEL), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", PER_CHANNEL), ("int4-mixed", 32)]
 
 
 @pytest.mark.parametrize("transposed,bias", LAYOUT_CASES, ids=["gate_up", "gate_up+bias", "transposed+bias", "transposed"])
@@ -128,7 +129,8 @@ def test_kernels_match_the_float_product_within_the_derived_bound(transposed, bi
         w = tensors[spec.name].t() if transposed else tensors[spec.name]  # [out, in]
         x = torch.randn(5, w.shape[1])
         got = views[spec.name].linear(x)  # [5, out]
-        q, scales, zeros = quantize(w, expert_dtype, group_size, views[spec.name].scales.dtype)
+        packed = layout[spec.name]
+        q, scales, zeros = quantize(w, int_dtype_of(packed.packing), packed.group_size, views[spec.name].scales.dtype)
         w_deq = dequantize(q, scales, zeros, torch.float32)
         rounding = _rounding(x, w, layout[spec.name].packing)
         assert got.shape == (5, w.shape[0])
@@ -146,6 +148,18 @@ def test_the_cpu_picks_the_kernels_where_their_constraints_hold():
     assert {t.packing for t in plan_layout(specs, "int8", 32, torch.float32, "cpu").tensors} == {"int8"}
     assert {t.packing for t in plan_layout(specs, "int8", PER_CHANNEL, torch.float32, "cpu").tensors} == {"int8-cpu"}
     assert {t.packing for t in plan_layout(specs, "int8", PER_CHANNEL, torch.float32, "cuda").tensors} == {"int8"}
+
+
+def test_int4_mixed_keeps_down_proj_in_int8_per_channel():
+    specs = [ParamSpec("gate_up_proj", (2 * INTER, H)), ParamSpec("down_proj", (H, INTER))]
+    for device_type, int4, int8 in (("cpu", "int4-cpu", "int8-cpu"), ("cuda", "int4-cuda", "int8")):
+        layout = plan_layout(specs, "int4-mixed", 32, torch.float32, device_type)
+        forms = {t.name: (t.packing, t.group_size) for t in layout.tensors}
+        assert forms == {"gate_up_proj": (int4, 32), "down_proj": (int8, INTER)}
+    h, i = 4096, 14336  # a Mixtral expert: between int8 (÷ 2) and int4 g32 (÷ 3.2) of bf16
+    specs = [ParamSpec("gate_up_proj", (2 * i, h)), ParamSpec("down_proj", (h, i))]
+    ratio = 3 * h * i * 2 / plan_layout(specs, "int4-mixed", 32, torch.bfloat16, "cpu").nbytes
+    assert 2.6 <= ratio <= 2.75, ratio
 
 
 def test_plain_int4_round_trips_through_its_nibbles():
