@@ -8,7 +8,10 @@
 3. equivalence on `cuda`: greedy tokens of the offloaded engine equal transformers' on
    the same device for every family, with a one-slot cache, a full one, and a small one
    whose prefetches read a bounded RAM tier from disk on the background thread;
-4. TPOT: `bench.engine_bench tpot --device cuda`.
+4. quantized experts on `cuda` (`--expert-dtype int8|int4|int4-mixed`, tinygemm int4, int8 dequantized per
+   use): the engine's logits against transformers holding the same dequantized weights, within the bound
+   of `tests/test_engine_quant.py`, and the same greedy choice at every position;
+5. TPOT: `bench.engine_bench tpot --device cuda`.
 Prints one JSON object (also written to --out).
 """
 
@@ -72,6 +75,29 @@ def check_equivalence(tmp: Path) -> dict:
     return results
 
 
+def check_quantized(tmp: Path) -> dict:
+    from tests.test_engine_quant import BF16_ACTIVATIONS, _fake_quantized_reference
+
+    results = {}
+    for family in ("mixtral", "gpt_oss"):  # [out, in] experts; GPT-OSS's transposed ones with biases
+        folder = build_checkpoint(family, tmp / f"quant-{family}")
+        for expert_dtype in ("int8", "int4", "int4-mixed"):
+            engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
+                                              expert_cache_experts=2, expert_dtype=expert_dtype))  # fmt: skip
+            reference = _fake_quantized_reference(folder, engine.loaded.quant).to("cuda")
+            ids = torch.tensor([engine.encode(PROMPT)], device="cuda")
+            with torch.no_grad():
+                ours, want = engine.model(input_ids=ids).logits, reference(input_ids=ids).logits
+            results[f"{family}/{expert_dtype}"] = {
+                "packings": sorted({t.packing for t in engine.loaded.quant.tensors}),
+                "max_error_over_scale": float((ours - want).abs().max() / want.abs().max()),
+                "bound": BF16_ACTIVATIONS,
+                "same_greedy_choices": bool(torch.equal(ours.argmax(-1), want.argmax(-1))),
+            }
+            engine.close()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
@@ -82,6 +108,7 @@ def main() -> None:
         tmp = Path(tmp)
         report["streams"] = check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams"))
         report["equivalence"] = check_equivalence(tmp)
+        report["quantized"] = check_quantized(tmp)
     from bench.engine_bench import run_tpot
 
     report["tpot"] = run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3))
