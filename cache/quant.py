@@ -49,7 +49,7 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what both int4 kernels accept
 ALIGN = 64  # every tensor in a buffer starts on a 64-byte boundary (dtype views, vector loads)
 PER_CHANNEL = 0  # group_size meaning "one group per output channel"
 # int8: the CPU kernel's form; int4: the smallest group the kernels take, the best quality they reach
-# (demo model: 78% token agreement at 32, 75% at 64; bench/RESULTS.md "quality")
+# (demo model: perplexity +9.7% at 32, +67% at 64, both 84% token agreement; bench/RESULTS.md "quality")
 DEFAULT_GROUP_SIZE = {"int8": PER_CHANNEL, "int4": 32, MIXED: 32}  # MIXED: its int4 weights' group
 KERNEL_INT4 = ("int4-cpu", "int4-cuda")
 KERNELS = ("int8-cpu", *KERNEL_INT4)  # packings computed by a PyTorch kernel, in bf16
