@@ -39,6 +39,9 @@ class DryRunBackend:
     def view(self, slot: int) -> None:
         return None
 
+    def link_busy(self) -> bool:
+        return False
+
     def wait(self, slot: int) -> None:
         pass
 
@@ -67,6 +70,7 @@ class SlotBackend:
             self._prefetch_stream = torch.cuda.Stream(device)
         self._loaded: dict[int, torch.cuda.Event] = {}  # slot → copy done
         self._released: dict[int, torch.cuda.Event] = {}  # slot → last compute on it done
+        self._prefetching: list[torch.cuda.Event] = []  # prefetch copies not yet seen done
 
     def load(self, key: ExpertKey, slot: int) -> None:
         with self.host.hold(key) as src:  # a prefetch thread must not recycle it mid-copy
@@ -90,10 +94,17 @@ class SlotBackend:
             done = torch.cuda.Event()
             done.record(stream)
         self._loaded[slot] = done
+        if prefetch:
+            self._prefetching.append(done)
         self.host.record_copy(src, done)
 
     def view(self, slot: int) -> torch.Tensor:
         return self.slots[slot]
+
+    def link_busy(self) -> bool:
+        """Prefetch copies still on the link (a demand copy issued now would wait for the one in flight)."""
+        self._prefetching = [done for done in self._prefetching if not done.query()]
+        return bool(self._prefetching)
 
     def measure_copy_ms(self, key: ExpertKey, repeats: int = 3) -> float:
         """The time of one expert's host→device copy on this link (median of `repeats`), in ms.
@@ -153,6 +164,9 @@ class InPlaceBackend:
 
     def view(self, slot: int) -> torch.Tensor:
         return self.slots[slot]
+
+    def link_busy(self) -> bool:
+        return False
 
     def wait(self, slot: int) -> None:
         pass

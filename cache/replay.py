@@ -253,8 +253,14 @@ def _host_executor(runtime: ExpertRuntime, link: Link | None):
     costs = MissCosts(link.spec.copy_ms(link.spec.expert_bytes), link.spec.host_ms(link.spec.expert_bytes))
     if not costs.gains():
         return None
-    runtime.planner = MissPlanner(costs)
-    return lambda expert, buffer: link.compute_on_host(costs.host_ms)
+    runtime.planner = MissPlanner(costs, share=link.spec.share_misses)
+
+    def compute_on_host(expert: int, buffer: object, fraction: float) -> None:
+        link.compute_on_host(fraction * costs.host_ms)
+        if fraction < 1:
+            link.copy_part(round((1 - fraction) * link.spec.expert_bytes))
+
+    return compute_on_host
 
 
 def _with_next(events: Iterable) -> Iterator[tuple]:
@@ -298,10 +304,13 @@ def _timing(link: Link, clock: DecodeClock, result: dict) -> dict:
     tokens = max(1, clock.decode_tokens)
     return {
         "tpot_ms": round(clock.decode_ms / tokens, 4),
-        "link_gb_per_decode_token": round(link.spec.expert_bytes * result["decode_transfers"] / tokens / 1e9, 4),
+        "link_gb_per_decode_token": round(
+            (link.spec.expert_bytes * result["decode_transfers"] + link.part_bytes) / tokens / 1e9, 4
+        ),
         "link": {"expert_bytes": link.spec.expert_bytes, "link_gbps": link.spec.link_gbps,
                  "compute_ms": link.spec.compute_ms, "token_ms": link.spec.token_ms,
-                 "chunk_bytes": link.spec.chunk_bytes, "cpu_gbps": link.spec.cpu_gbps},
+                 "chunk_bytes": link.spec.chunk_bytes, "cpu_gbps": link.spec.cpu_gbps,
+                 "share_misses": link.spec.share_misses},
     }
 
 
@@ -510,6 +519,8 @@ def _parser() -> argparse.ArgumentParser:
     timed.add_argument("--cpu-gbps", type=float, default=0.0,
                        help="compute some misses on the host cores, which read expert weights at this GB/s "
                             "(the engine's --cpu-experts; 0: off)")
+    timed.add_argument("--no-share-misses", action="store_true",
+                       help="with --cpu-gbps: compute each miss whole on one side (no expert shared by both)")
     timed.add_argument("--no-prefetch-gate", action="store_true",
                        help="issue every guess, however inaccurate (the engine before the cost gate)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -524,6 +535,7 @@ def link_spec(args: argparse.Namespace) -> LinkSpec:
     return LinkSpec(
         expert_bytes=round(args.expert_mb * 1e6), link_gbps=args.link_gbps, compute_ms=args.compute_ms,
         token_ms=args.token_ms, chunk_bytes=round(args.chunk_mb * 1e6), cpu_gbps=args.cpu_gbps,
+        share_misses=not args.no_share_misses,
     )
 
 

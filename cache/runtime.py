@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache.expert_cache import ExpertCache
+from cache.miss_planner import MissPlan
 from cache.policy import Policy
 from cache.stats import CacheStats
 
@@ -84,18 +85,19 @@ class ExpertRuntime:
         needed: list[int],
         hidden: torch.Tensor | None,
         compute: Callable[[Sequence[int], list[int]], None] | None = None,
-        compute_on_host: Callable[[int, object], None] | None = None,
+        compute_on_host: Callable[[int, object, float], None] | None = None,
     ) -> None:
         """Acquire `layer`'s experts in turns and `compute(experts, slots)` each turn.
 
         The prefetch for the next layer is issued once the last turn is acquired: the step's
         own experts are protected then, so a prefetch can never evict them, and its copies
         overlap this layer's compute. With a planner, some misses of a decode step are not
-        copied but computed from their host buffers (`compute_on_host(expert, buffer)`), while
-        the first turn's copies are on the link. The engine and the trace replay both run this.
+        copied but computed from their host buffers (`compute_on_host(expert, buffer, host_fraction)`;
+        a fraction below 1: the device computes the rest), while the first turn's copies are on the link. The engine and the trace replay both run this.
         """
-        on_host = self._misses_for_host(layer, needed) if compute_on_host is not None else []
-        turns = chunks([e for e in needed if e not in on_host], self.cache.capacity)
+        plan = self._misses_for_host(layer, needed) if compute_on_host is not None else MissPlan()
+        off_device = {*plan.on_host, plan.shared}
+        turns = chunks([e for e in needed if e not in off_device], self.cache.capacity)
         try:
             for i, turn in enumerate(turns):
                 slots = self.cache.acquire(layer, turn)
@@ -103,7 +105,7 @@ class ExpertRuntime:
                     if i == len(turns) - 1 and self.prefetcher is not None:
                         self.prefetcher.after_routing(layer, hidden, needed, self.phase, self._lookahead_for(layer))
                     if i == 0:
-                        self._compute_on_host(layer, on_host, compute_on_host)
+                        self._compute_on_host(layer, plan, compute_on_host)
                     if compute is not None:
                         for expert in turn:
                             self.cache.wait(layer, expert)
@@ -120,17 +122,22 @@ class ExpertRuntime:
         guess, self._lookahead = self._lookahead[1], None
         return guess
 
-    def _misses_for_host(self, layer: int, needed: list[int]) -> list[int]:
+    def _misses_for_host(self, layer: int, needed: list[int]) -> MissPlan:
         if self.planner is None or self.phase != "decode":  # prefill: many tokens, the device wins
-            return []
-        return self.planner.split([e for e in needed if not self.cache.is_resident((layer, e))])
+            return MissPlan()
+        misses = [e for e in needed if not self.cache.is_resident((layer, e))]
+        return self.planner.plan(misses, link_busy=self.cache.backend.link_busy())
 
-    def _compute_on_host(self, layer: int, experts: list[int], compute_on_host) -> None:
-        for expert in experts:
+    def _compute_on_host(self, layer: int, plan: MissPlan, compute_on_host) -> None:
+        """The shared expert first: its device part waits for a partial copy, the host's whole ones do not."""
+        parts = [(e, 1.0) for e in plan.on_host]
+        if plan.shared is not None:
+            parts.insert(0, (plan.shared, plan.host_fraction))
+        for expert, fraction in parts:
             self.stats.add("misses", layer)
-            self.stats.add("cpu_computed", layer)
+            self.stats.add("cpu_computed", layer)  # a shared expert too: computed in part on the host
             with self.cache.backend.staged((layer, expert)) as buffer:  # held: no prefetch recycles it
-                compute_on_host(expert, buffer)
+                compute_on_host(expert, buffer, fraction)
             self.cache.prefetch((layer, expert))  # cached for later tokens if the policy values it (low priority)
 
 

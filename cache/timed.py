@@ -15,7 +15,9 @@ arrive and so how long a token takes, without a GPU:
   `token_ms` once (embedding, LM head, sampling);
 - with `cpu_gbps`, a missed expert may instead be computed on the host cores, reading its
   weights at that rate, side by side with the link (`cache.miss_planner` decides which);
-  the layer's compute starts once the host's results are in too.
+  the layer's compute starts once the host's results are in too. A shared miss puts its host
+  part on the host cores and the rest on the link as a demand copy into no slot, which the
+  layer's compute also waits for (the exchange of its intermediate activations is not timed).
 
 Time is simulated in milliseconds. `TimedBackend` is the replay's transfer backend; it
 tells the link about every demand load and prefetch the cache issues.
@@ -43,6 +45,7 @@ class LinkSpec:
     token_ms: float = 0.0  # per token, outside the MoE layers
     chunk_bytes: int = 0  # copy granularity; 0: whole experts
     cpu_gbps: float = 0.0  # host cores' read rate of expert weights; 0: no host executor
+    share_misses: bool = True  # with cpu_gbps: one miss per step may be shared by both lanes (`cache.miss_planner`)
 
     def copy_ms(self, num_bytes: int) -> float:
         return num_bytes / (self.link_gbps * 1e6)
@@ -72,6 +75,8 @@ class Link:
         self._demand: deque[Transfer] = deque()
         self._prefetch: deque[Transfer] = deque()
         self._last: dict[int, Transfer] = {}  # slot → its latest copy
+        self._parts: list[Transfer] = []  # copies of shared experts' device parts, into no slot
+        self.part_bytes = 0  # bytes of those parts (decode only: prefill shares nothing)
 
     def copy(self, slot: int, prefetch: bool) -> None:
         """Queue a copy of one expert into `slot`, issued at `now`."""
@@ -91,7 +96,25 @@ class Link:
             self._run_chunk()
         self.now = max(self.now, transfer.done_at)
 
+    def busy(self) -> bool:
+        """Copies in flight or queued at `now`."""
+        self._commit_started()
+        return self.busy_until > self.now or bool(self._demand or self._prefetch)
+
+    def copy_part(self, num_bytes: int) -> None:
+        """Queue a demand copy of part of an expert, for this step only (no slot), issued at `now`."""
+        self._commit_started()
+        transfer = Transfer(-1, num_bytes, False, None, self.now)
+        self.part_bytes += num_bytes
+        self._parts.append(transfer)
+        self._demand.append(transfer)
+
     def compute(self, ms: float) -> None:
+        for part in self._parts:
+            while part.done_at is None:
+                self._run_chunk()
+            self.now = max(self.now, part.done_at)
+        self._parts.clear()
         self.now = max(self.now, self.host_until) + ms
 
     def compute_on_host(self, ms: float) -> None:
@@ -145,6 +168,9 @@ class TimedBackend:
 
     def view(self, slot: int) -> None:
         return None
+
+    def link_busy(self) -> bool:
+        return self.link.busy()
 
     def wait(self, slot: int) -> None:
         self.link.wait(slot)

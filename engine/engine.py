@@ -174,7 +174,7 @@ class Engine:
         log.info("one expert on one token takes %.2f ms on %d host threads, its copy %.2f ms: misses %s",
                  host_ms, torch.get_num_threads(), copy_ms,
                  "are split between the host and the link" if gains else "are all copied (no gain measured)")
-        return MissPlanner(self.miss_costs) if gains else None
+        return MissPlanner(self.miss_costs, share=self.loaded.offloaded[0].can_share) if gains else None
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -362,6 +362,7 @@ class Engine:
             "copy_ms_per_expert": round(costs.copy_ms, 3) if costs else None,
             "cpu_ms_per_expert": round(costs.host_ms, 3) if costs else None,
             "cpu_threads": torch.get_num_threads() if costs else None,
+            "shares_misses": bool(self.runtime.planner and self.runtime.planner.share),  # one per step, both lanes
             "computed": totals["cpu_computed"],
             "share_of_expert_uses": totals["cpu_computed"] / uses if uses else 0.0,
         }

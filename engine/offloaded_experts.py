@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from cache.quant import QuantizedWeight, QuantLayout, runs_on_cpu, unpack_expert
 from cache.runtime import ExpertRuntime
@@ -50,6 +51,18 @@ class OffloadedExperts:
         self.host_capable = (
             pool.device.type != "cpu" and not self.module.has_post_expert_norm and (quant is None or runs_on_cpu(quant))
         )
+        # a miss shared by host and device splits gate/up by neuron and down by output row: float weights
+        # `gate_up_proj [2I, H]` (gate rows, then up rows) and `down_proj [H, I]`, no biases
+        self.shareable = (
+            quant is None and self.module.has_gate and not self.module.is_transposed
+            and [name for name, _ in layer.layout.parts] == ["gate_up_proj", "down_proj"]
+        )
+        self._share_stream = torch.cuda.Stream(pool.device) if self.shareable and pool.device.type == "cuda" else None
+
+    @property
+    def can_share(self) -> bool:
+        """Whether a miss can be shared by the host and the device (`cache.miss_planner`)."""
+        return self.host_capable and self.shareable
 
     def install(self) -> None:
         """Drop the module's (empty) per-expert parameters and route its calls here."""
@@ -72,18 +85,67 @@ class OffloadedExperts:
         return out
 
     def _on_host(self, hidden: torch.Tensor, row: list[int], weights: torch.Tensor, out: torch.Tensor):
-        """`compute_on_host(expert, host buffer)` for one decode token: the expert runs on the host
-        cores where its weights lie; only the token's hidden state and the output cross the link."""
+        """`compute_on_host(expert, host buffer, host fraction)` for one decode token: the expert runs on
+        the host cores where its weights lie; only the token's hidden state and the output cross the link.
+        A fraction below 1: the expert is shared with the device (`_shared`)."""
         x = []
 
-        def compute_on_host(expert: int, buffer: torch.Tensor) -> None:
+        def compute_on_host(expert: int, buffer: torch.Tensor, fraction: float = 1.0) -> None:
             if not x:
                 x.append(hidden.to("cpu").unsqueeze(0))  # [1, 1, H]; routing already synced the stream
-            y = self._experts(x[0], self._expert_params(buffer))[0]  # [1, H] on the host
+            if fraction < 1:
+                y = self._shared(x[0][0], hidden, buffer, fraction)  # [1, H] on the device
+            else:
+                y = self._experts(x[0], self._expert_params(buffer))[0].to(out.device, non_blocking=True)  # [1, H]
             k = row.index(expert)
-            out.add_((y.to(out.device, non_blocking=True) * weights[:, k, None]).to(out.dtype))
+            out.add_((y * weights[:, k, None]).to(out.dtype))
 
         return compute_on_host
+
+    def _shared(self, x_host: torch.Tensor, x_dev: torch.Tensor, buffer: torch.Tensor, fraction: float) -> torch.Tensor:
+        """One token through one expert, the host computing `fraction` of its intermediate neurons and
+        output rows from its host buffer, the device the rest from a partial copy: `x` [1, H] → [1, H].
+
+        Both sides need every neuron's activation for their output rows, so the two parts of it cross
+        the link once (a few kB); the device's weights are copied on a side stream, gate/up first."""
+        views = self.layout.views(buffer)
+        gate_up, down = views["gate_up_proj"], views["down_proj"]  # [2I, H], [H, I] on the host
+        rows, inter = down.shape
+        k, r = round(fraction * inter), round(fraction * rows)
+        device = x_dev.device
+        (gate_d, up_d), gate_up_done = self._copy_to_device([gate_up[k:inter], gate_up[inter + k :]])
+        (down_d,), down_done = self._copy_to_device([down[r:]])
+        act_host = self._gated(x_host, gate_up[:k], gate_up[inter : inter + k])  # [1, k]
+        self._wait(gate_up_done)
+        act_dev = self._gated(x_dev, gate_d, up_d)  # [1, I - k]
+        act = torch.cat([act_host, act_dev.to("cpu")], dim=-1)  # [1, I]; waits for the device's part
+        self._wait(down_done)
+        y_dev = F.linear(act.to(device, non_blocking=True), down_d)  # [1, H - r]
+        y_host = F.linear(act, down[:r])  # [1, r]
+        if down_done is not None:
+            down_done.synchronize()  # the host buffer may be recycled once this returns
+        return torch.cat([y_host.to(device, non_blocking=True), y_dev], dim=-1)
+
+    def _gated(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of some neurons: `x` [1, H], `gate`, `up` [n, H] → [1, n]."""
+        return self.module._apply_gate(torch.cat([F.linear(x, gate), F.linear(x, up)], dim=-1))
+
+    def _copy_to_device(self, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Host views → device tensors, on the side stream on CUDA; the event marks the copies done."""
+        device = self.pool.device
+        if self._share_stream is None:
+            return [p.to(device) for p in parts], None
+        with torch.cuda.stream(self._share_stream):
+            copies = [p.to(device, non_blocking=True) for p in parts]
+            done = torch.cuda.Event()
+            done.record(self._share_stream)
+        for c in copies:
+            c.record_stream(torch.cuda.current_stream(device))  # used on the compute stream too
+        return copies, done
+
+    def _wait(self, done: torch.cuda.Event | None) -> None:
+        if done is not None:
+            torch.cuda.current_stream(self.pool.device).wait_event(done)
 
     def measure_host_ms(self, buffer: torch.Tensor, repeats: int = 5) -> float:
         """The time of one expert on one token on the host cores (median of `repeats`), in ms."""

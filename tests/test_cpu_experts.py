@@ -61,6 +61,37 @@ def test_host_computed_experts_give_transformers_tokens(family, tmp_path, monkey
     assert info["computed"] == after["cpu_computed"] and 0 < info["share_of_expert_uses"] < 1
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_miss_shared_by_host_and_device_gives_transformers_tokens(family, tmp_path, monkeypatch):
+    """One lone miss per step, shared: the host computes part of its neurons and output rows, the
+    "device" (host tensors here, the CUDA code path but for the streams) the rest."""
+    folder = build_checkpoint(family, tmp_path / family, num_layers=3)
+
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers):
+        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
+
+    monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+    shared = []
+    for experts in engine.loaded.offloaded:
+        experts.host_capable = True  # what a CUDA pool gets
+        assert experts.can_share  # float, gate_up [2I, H] and down [H, I], no biases
+        share = experts._shared
+        monkeypatch.setattr(experts, "_shared", lambda *a, share=share: shared.append(a[-1]) or share(*a))
+    engine.runtime.planner = MissPlanner(MissCosts(copy_ms=6.4, host_ms=6.6), share=True)  # the H200 host
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
+    assert shared and all(0.4 < f < 0.6 for f in shared)  # lone misses, about half on each side
+
+
+def test_only_float_gated_untransposed_experts_are_shared(tmp_path):
+    folder = build_checkpoint("gpt_oss", tmp_path / "gpt_oss", num_layers=2)  # [in, out] weights with biases
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+    for experts in engine.loaded.offloaded:
+        experts.host_capable = True
+        assert not experts.can_share
+
+
 def test_cpu_experts_flag_is_validated():
     with pytest.raises(ValueError, match="cpu_experts"):
         EngineConfig(cpu_experts="always")
