@@ -11,7 +11,9 @@
 4. quantized experts on `cuda` (`--expert-dtype int8|int4|int4-mixed`, tinygemm int4, int8 dequantized per
    use): the engine's logits against transformers holding the same dequantized weights, within the bound
    of `tests/test_engine_quant.py`, and the same greedy choice at every position;
-5. TPOT: `bench.engine_bench tpot --device cuda`.
+5. the host executor (`--cpu-experts`): misses computed whole on the host and shared by host and device,
+   greedy tokens against transformers;
+6. TPOT: `bench.engine_bench tpot --device cuda`.
 Prints one JSON object (also written to --out).
 """
 
@@ -75,6 +77,34 @@ def check_equivalence(tmp: Path) -> dict:
     return results
 
 
+def check_host_executor(tmp: Path) -> dict:
+    """`--cpu-experts`: misses computed on the host, whole (one per lane) and shared by host and device
+    (equal costs given, so a lone miss is shared half and half), against transformers' greedy tokens."""
+    from cache.miss_planner import MissCosts, MissPlanner
+
+    results = {}
+    for family in ("mixtral", "qwen3_moe"):
+        folder = build_checkpoint(family, tmp / f"host-{family}")
+        reference = load_reference(folder).to("cuda")
+        for share in (False, True):
+            engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
+                                              expert_cache_experts=2, prefetch=False))  # fmt: skip
+            engine.runtime.planner = MissPlanner(MissCosts(copy_ms=1.0, host_ms=1.0), share=share)
+            ids = engine.encode(PROMPT)
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            ours = [t for e in engine.generate(GenerationRequest("h", ids, params)) for t in e.token_ids]
+            computed = engine.cache_counters()["cpu_computed"]
+            engine.close()
+            with torch.no_grad():
+                x = torch.tensor([ids], device="cuda")
+                out = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+            results[f"{family}/{'shared' if share else 'whole'}"] = {
+                "same_tokens": ours == out[0, len(ids) :].tolist(), "cpu_computed": computed,
+            }
+    return results
+
+
 def check_quantized(tmp: Path) -> dict:
     from tests.test_engine_quant import BF16_ACTIVATIONS, _fake_quantized_reference
 
@@ -109,6 +139,7 @@ def main() -> None:
         report["streams"] = check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams"))
         report["equivalence"] = check_equivalence(tmp)
         report["quantized"] = check_quantized(tmp)
+        report["host_executor"] = check_host_executor(tmp)
     from bench.engine_bench import run_tpot
 
     report["tpot"] = run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3))

@@ -8,7 +8,7 @@ import pytest
 
 import engine.model_loader as model_loader
 from cache.expert_cache import ExpertCache, SlotBackend
-from cache.miss_planner import MissCosts, MissPlanner
+from cache.miss_planner import MissCosts, MissPlan, MissPlanner
 from cache.replay import replay
 from cache.stats import CacheStats
 from cache.timed import LinkSpec
@@ -32,6 +32,31 @@ DEMO_TRACE = "bench/traces/demo-smollm2-moe.trace.jsonl"
 )
 def test_planner_sends_each_miss_to_the_lane_that_finishes_it_sooner(costs, misses, on_host):
     assert MissPlanner(costs).split(misses) == on_host
+
+
+@pytest.mark.parametrize(
+    ("costs", "misses", "plan"),
+    [
+        (MissCosts(copy_ms=6.4, host_ms=6.6), [3], MissPlan([], 3, 6.4 / 13.0)),  # H200 host: 6.4 → 3.25 ms
+        (MissCosts(copy_ms=6.4, host_ms=6.6), [3, 5], MissPlan([5])),  # one each: balanced already
+        (MissCosts(copy_ms=14.1, host_ms=5.9), [3, 5], MissPlan([3], 5, 8.2 / 20.0)),  # desktop: 11.8 → 8.3 ms
+        (MissCosts(copy_ms=1.0, host_ms=10.0), [3], MissPlan([])),  # a host part under 10%: not worth it
+    ],
+)
+def test_a_shared_miss_ends_both_lanes_together(costs, misses, plan):
+    got = MissPlanner(costs, share=True).plan(misses)
+    assert (got.on_host, got.shared) == (plan.on_host, plan.shared)
+    assert got.host_fraction == pytest.approx(plan.host_fraction)
+    if got.shared is not None:  # both lanes end at the same time
+        host_end = (len(got.on_host) + got.host_fraction) * costs.host_ms
+        link_end = (len(misses) - len(got.on_host) - got.host_fraction) * costs.copy_ms
+        assert host_end == pytest.approx(link_end)
+
+
+def test_nothing_is_shared_while_the_link_is_busy_or_sharing_is_off():
+    costs = MissCosts(copy_ms=6.4, host_ms=6.6)
+    assert MissPlanner(costs, share=True).plan([3], link_busy=True) == MissPlan([])
+    assert MissPlanner(costs).plan([3]) == MissPlan([])
 
 
 def test_gain_needs_a_host_faster_than_two_copies():
@@ -109,6 +134,16 @@ def test_timed_replay_with_the_host_executor_is_faster_and_moves_fewer_bytes():
     assert off["decode_cpu_computed"] == 0 < on["decode_cpu_computed"] <= on["decode_misses"]
     assert on["tpot_ms"] < off["tpot_ms"]
     assert on["link_gb_per_decode_token"] < off["link_gb_per_decode_token"]
+
+
+def test_timed_replay_sharing_a_miss_beats_whole_experts_with_lru():
+    header, requests = load_trace(DEMO_TRACE)
+    capacity = header.num_layers * header.num_experts // 4
+    whole = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=60.0, share_misses=False)
+    shared = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=60.0)
+    results = [replay(header, requests[:8], "lru", capacity, False, spec) for spec in (whole, shared)]
+    assert results[1]["tpot_ms"] < results[0]["tpot_ms"]
+    assert results[1]["link_gb_per_decode_token"] > 0 == results[0]["link_gb_per_decode_token"]  # the shared parts
 
 
 def test_timed_replay_keeps_copying_when_the_host_is_slow():
