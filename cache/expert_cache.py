@@ -95,7 +95,7 @@ class SlotBackend:
             done.record(stream)
         self._loaded[slot] = done
         if prefetch:
-            self._prefetching.append(done)
+            self._prefetching = [*self._pending_prefetches(), done]
         self.host.record_copy(src, done)
 
     def view(self, slot: int) -> torch.Tensor:
@@ -103,8 +103,11 @@ class SlotBackend:
 
     def link_busy(self) -> bool:
         """Prefetch copies still on the link (a demand copy issued now would wait for the one in flight)."""
-        self._prefetching = [done for done in self._prefetching if not done.query()]
+        self._prefetching = self._pending_prefetches()
         return bool(self._prefetching)
+
+    def _pending_prefetches(self) -> list[torch.cuda.Event]:
+        return [done for done in self._prefetching if not done.query()]
 
     def measure_copy_ms(self, key: ExpertKey, repeats: int = 3) -> float:
         """The time of one expert's host→device copy on this link (median of `repeats`), in ms.
