@@ -70,6 +70,10 @@ class Policy:
         """
         return 1.0 if self._guessed(key) else 0.0
 
+    def next_use_chance(self, key: ExpertKey) -> float | None:
+        """The chance that `key`'s layer uses it on its next run; None: this policy does not estimate it."""
+        return None
+
     def _guessed(self, key: ExpertKey) -> bool:
         layer, guess = self._lookahead
         return key[0] == layer and key[1] in guess

@@ -97,7 +97,9 @@ class ExpertRuntime:
         """
         plan = self._misses_for_host(layer, needed) if compute_on_host is not None else MissPlan()
         off_device = {*plan.on_host, plan.shared}
-        turns = chunks([e for e in needed if e not in off_device], self.cache.capacity)
+        on_device = [e for e in needed if e not in off_device]
+        link_used = plan.shared is not None or any(not self.cache.is_resident((layer, e)) for e in on_device)
+        turns = chunks(on_device, self.cache.capacity)
         try:
             for i, turn in enumerate(turns):
                 slots = self.cache.acquire(layer, turn)
@@ -105,7 +107,7 @@ class ExpertRuntime:
                     if i == len(turns) - 1 and self.prefetcher is not None:
                         self.prefetcher.after_routing(layer, hidden, needed, self.phase, self._lookahead_for(layer))
                     if i == 0:
-                        self._compute_on_host(layer, plan, compute_on_host)
+                        self._compute_on_host(layer, plan, compute_on_host, cache_them=not link_used)
                     if compute is not None:
                         for expert in turn:
                             self.cache.wait(layer, expert)
@@ -128,8 +130,12 @@ class ExpertRuntime:
         misses = [e for e in needed if not self.cache.is_resident((layer, e))]
         return self.planner.plan(misses, link_busy=self.cache.backend.link_busy())
 
-    def _compute_on_host(self, layer: int, plan: MissPlan, compute_on_host) -> None:
-        """The shared expert first: its device part waits for a partial copy, the host's whole ones do not."""
+    def _compute_on_host(self, layer: int, plan: MissPlan, compute_on_host, cache_them: bool) -> None:
+        """The shared expert first: its device part waits for a partial copy, the host's whole ones do not.
+
+        `cache_them`: copy them in the background afterwards if the policy values them (only when the
+        step left the link to the host's side: where the link carries misses too, a background copy
+        delays the next steps' demand copies by up to a whole copy)."""
         parts = [(e, 1.0) for e in plan.on_host]
         if plan.shared is not None:
             parts.insert(0, (plan.shared, plan.host_fraction))
@@ -138,7 +144,8 @@ class ExpertRuntime:
             self.stats.add("cpu_computed", layer)  # a shared expert too: computed in part on the host
             with self.cache.backend.staged((layer, expert)) as buffer:  # held: no prefetch recycles it
                 compute_on_host(expert, buffer, fraction)
-            self.cache.prefetch((layer, expert))  # cached for later tokens if the policy values it (low priority)
+            if cache_them or (self.policy.next_use_chance((layer, expert)) or 0.0) >= 0.5:
+                self.cache.prefetch((layer, expert))  # cached for later tokens if the policy values it (low priority)
 
 
 def chunks(experts: Sequence[int], capacity: int) -> list[Sequence[int]]:

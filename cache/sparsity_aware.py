@@ -388,6 +388,10 @@ class SparsityAwarePolicy(Policy):
                 return -self._next_chance(key[0])  # as if its use were certain
             return -float(self._current[key])
 
+    def next_use_chance(self, key: ExpertKey) -> float | None:
+        with self._lock:
+            return float(self.use_chance(key[0])[key[1]])
+
     def _next_chance(self, layer: int) -> float:
         """Layer steps (plus the current layer) until `layer` runs next."""
         return float(layer + self.num_layers * (layer <= self._layer) - self._bonus[layer, 0])
