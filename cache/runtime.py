@@ -17,6 +17,8 @@ from cache.miss_planner import MissPlan
 from cache.policy import Policy
 from cache.stats import CacheStats
 
+CACHE_MIN_CHANCE = 0.5  # an even chance: one copy's delay now against one miss saved later
+
 Phase = str  # "prefill" | "decode"
 
 
@@ -133,9 +135,11 @@ class ExpertRuntime:
     def _compute_on_host(self, layer: int, plan: MissPlan, compute_on_host, cache_them: bool) -> None:
         """The shared expert first: its device part waits for a partial copy, the host's whole ones do not.
 
-        `cache_them`: copy them in the background afterwards if the policy values them (only when the
-        step left the link to the host's side: where the link carries misses too, a background copy
-        delays the next steps' demand copies by up to a whole copy)."""
+        Afterwards each is copied in the background to be cached, if the policy values it over its
+        victim, when `cache_them` (the step left the link idle) or when the policy gives it at least
+        `CACHE_MIN_CHANCE` of use on its layer's next run: where the link carries misses, such a copy
+        delays the next steps' demand copies by up to a whole copy and saves one miss only if the
+        expert comes back before eviction (bench/RESULTS.md, issue 13)."""
         parts = [(e, 1.0) for e in plan.on_host]
         if plan.shared is not None:
             parts.insert(0, (plan.shared, plan.host_fraction))
@@ -144,7 +148,7 @@ class ExpertRuntime:
             self.stats.add("cpu_computed", layer)  # a shared expert too: computed in part on the host
             with self.cache.backend.staged((layer, expert)) as buffer:  # held: no prefetch recycles it
                 compute_on_host(expert, buffer, fraction)
-            if cache_them or (self.policy.next_use_chance((layer, expert)) or 0.0) >= 0.5:
+            if cache_them or (self.policy.next_use_chance((layer, expert)) or 0.0) >= CACHE_MIN_CHANCE:
                 self.cache.prefetch((layer, expert))  # cached for later tokens if the policy values it (low priority)
 
 
