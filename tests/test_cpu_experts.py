@@ -5,6 +5,7 @@ No GPU here: the engine runs with device slots that are plain host tensors (`Slo
 the CPU), which is the CUDA code path but for the device, and the planner is given costs."""
 
 import pytest
+import torch
 
 import engine.model_loader as model_loader
 from cache.expert_cache import ExpertCache, SlotBackend
@@ -107,6 +108,20 @@ def test_a_miss_shared_by_host_and_device_gives_transformers_tokens(family, tmp_
     prompt_ids = engine.encode(PROMPT)
     assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
     assert shared and all(0.4 < f < 0.6 for f in shared)  # lone misses, about half on each side
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_a_shared_expert_computes_what_the_whole_expert_computes(tmp_path, fraction):
+    folder = build_checkpoint("mixtral", tmp_path / "m", num_layers=2)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
+    experts = engine.loaded.offloaded[0]
+    torch.manual_seed(0)
+    with engine.loaded.host.hold((0, 1)) as buffer:
+        x = torch.randn(1, engine.loaded.config.hidden_size)  # [1, H]
+        whole = experts._experts(x.unsqueeze(0), experts._expert_params(buffer))[0]  # [1, H]
+        shared = experts._shared(x, x.clone(), buffer, fraction)  # [1, H]
+    assert shared.shape == whole.shape
+    torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-6)  # the same sums, split by rows and neurons
 
 
 def test_only_float_gated_untransposed_experts_are_shared(tmp_path):
