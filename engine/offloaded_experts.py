@@ -10,8 +10,11 @@ At decode (one token) there is no host sync per expert: the step's experts are k
 host, small experts are stacked and computed in one batched product, large ones one after
 another on views of their slots (stacking would copy their weights).
 
-Quantized experts (`--expert-dtype int8|int4`) are computed one by one through the same math:
-their weights are `cache.quant.QuantizedWeight`s, which `_linear` multiplies with their kernel.
+Quantized experts (`--expert-dtype int8|int4|int4-mixed`) are computed one by one through the same
+math: their weights are `cache.quant.QuantizedWeight`s, which `_linear` multiplies with their kernel.
+
+On CUDA with `--cpu-experts`, a decode step's missed experts may be computed on the host from their
+host buffers (`_on_host`), one of them shared: part on the host, part on the device (`_shared`).
 """
 
 from __future__ import annotations
