@@ -30,9 +30,12 @@ class MissCosts:
     copy_ms: float  # host → device copy of one expert
     host_ms: float  # one expert computed on the host cores
 
-    def gains(self) -> bool:
-        """Two misses finish sooner with one on each lane than with both copied."""
-        return max(self.copy_ms, self.host_ms) < 2 * self.copy_ms
+    def gains(self, share: bool = False) -> bool:
+        """Two misses finish sooner with one on each lane than with both copied; with `share`, also a
+        lone miss shared by both lanes (host and copy ending together) finishes sooner than its copy."""
+        whole = max(self.copy_ms, self.host_ms) < 2 * self.copy_ms
+        shared_ms = self.host_ms * self.copy_ms / (self.host_ms + self.copy_ms)
+        return whole or (share and shared_ms <= (1 - MIN_GAIN) * self.copy_ms)
 
 
 @dataclass(frozen=True)

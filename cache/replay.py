@@ -251,7 +251,7 @@ def _host_executor(runtime: ExpertRuntime, link: Link | None):
     if link is None or link.spec.cpu_gbps <= 0:
         return None
     costs = MissCosts(link.spec.copy_ms(link.spec.expert_bytes), link.spec.host_ms(link.spec.expert_bytes))
-    if not costs.gains():
+    if not costs.gains(link.spec.share_misses):
         return None
     runtime.planner = MissPlanner(costs, share=link.spec.share_misses)
 

@@ -170,11 +170,12 @@ class Engine:
         with self.loaded.host.hold(next(iter(self.loaded.host.sources))) as buffer:
             host_ms = self.loaded.offloaded[0].measure_host_ms(buffer)
         self.miss_costs = MissCosts(copy_ms, host_ms)
-        gains = self.miss_costs.gains()
+        share = self.loaded.offloaded[0].can_share
+        gains = self.miss_costs.gains(share)
         log.info("one expert on one token takes %.2f ms on %d host threads, its copy %.2f ms: misses %s",
                  host_ms, torch.get_num_threads(), copy_ms,
                  "are split between the host and the link" if gains else "are all copied (no gain measured)")
-        return MissPlanner(self.miss_costs, share=self.loaded.offloaded[0].can_share) if gains else None
+        return MissPlanner(self.miss_costs, share=share) if gains else None
 
     # -- prompts -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

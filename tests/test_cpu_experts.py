@@ -63,6 +63,9 @@ def test_nothing_is_shared_while_the_link_is_busy_or_sharing_is_off():
 def test_gain_needs_a_host_faster_than_two_copies():
     assert MissCosts(copy_ms=6.4, host_ms=7.0).gains()
     assert not MissCosts(copy_ms=1.0, host_ms=2.5).gains()
+    # sharing a lone miss still pays with a host 2.5× slower than the link (0.71 of a copy), not 10×
+    assert MissCosts(copy_ms=1.0, host_ms=2.5).gains(share=True)
+    assert not MissCosts(copy_ms=1.0, host_ms=10.0).gains(share=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -163,6 +166,9 @@ def test_timed_replay_sharing_a_miss_beats_whole_experts_with_lru():
 
 def test_timed_replay_keeps_copying_when_the_host_is_slow():
     header, requests = load_trace(DEMO_TRACE)
-    slow_host = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=5.0)  # 70 ms an expert: no gain
-    result = replay(header, requests[:4], "lru", header.num_layers * header.num_experts // 4, False, slow_host)
-    assert result["decode_cpu_computed"] == 0
+    capacity = header.num_layers * header.num_experts // 4
+    # 70 ms an expert against a 14 ms copy: whole experts never gain; a shared lone miss still does (11.8 ms)
+    whole_only = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=5.0, share_misses=False)
+    assert replay(header, requests[:4], "lru", capacity, False, whole_only)["decode_cpu_computed"] == 0
+    very_slow = LinkSpec(link_gbps=25.0, compute_ms=1.6, cpu_gbps=2.0)  # 176 ms: 12× a copy, no gain at all
+    assert replay(header, requests[:4], "lru", capacity, False, very_slow)["decode_cpu_computed"] == 0
