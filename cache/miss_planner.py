@@ -45,6 +45,12 @@ class MissPlan:
     on_host: list[int] = field(default_factory=list)  # whole, on the host cores
     shared: int | None = None  # computed part on the host, part on the device
     host_fraction: float = 0.0  # the shared expert's part on the host
+    copied: list[int] = field(default_factory=list)  # the misses copied whole
+
+    @property
+    def link_idle(self) -> bool:
+        """The step moves nothing over the link."""
+        return not self.copied and self.shared is None
 
 
 class MissPlanner:
@@ -60,10 +66,10 @@ class MissPlanner:
         sharing then made random routing on a desktop 0.50 → 0.69 of copy-only)."""
         on_host = self.split(misses)
         copied = [e for e in misses if e not in on_host]
+        if not self.share or link_busy or not misses:
+            return MissPlan(on_host, copied=copied)
         host, link = self.costs.host_ms, self.costs.copy_ms
         host_ms, link_ms = len(on_host) * host, len(copied) * link
-        if not self.share or link_busy or not misses:
-            return MissPlan(on_host)
         if host_ms > link_ms:
             expert, host_rest, link_rest = on_host[-1], host_ms - host, link_ms
         else:
@@ -71,8 +77,8 @@ class MissPlanner:
         fraction = (link_rest + link - host_rest) / (host + link)  # host_rest + f·host = link_rest + (1 − f)·link
         ends_at = host_rest + fraction * host
         if not MIN_SHARE <= fraction <= 1 - MIN_SHARE or ends_at > (1 - MIN_GAIN) * max(host_ms, link_ms):
-            return MissPlan(on_host)
-        return MissPlan([e for e in on_host if e != expert], expert, fraction)
+            return MissPlan(on_host, copied=copied)
+        return MissPlan([e for e in on_host if e != expert], expert, fraction, [e for e in copied if e != expert])
 
     def split(self, misses: Sequence[int]) -> list[int]:
         """The misses to compute on the host (in their order); the rest are copied."""

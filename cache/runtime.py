@@ -95,13 +95,12 @@ class ExpertRuntime:
         own experts are protected then, so a prefetch can never evict them, and its copies
         overlap this layer's compute. With a planner, some misses of a decode step are not
         copied but computed from their host buffers (`compute_on_host(expert, buffer, host_fraction)`;
-        a fraction below 1: the device computes the rest), while the first turn's copies are on the link. The engine and the trace replay both run this.
+        a fraction below 1: the device computes the rest), while the first turn's copies are on the
+        link. The engine and the trace replay both run this.
         """
         plan = self._misses_for_host(layer, needed) if compute_on_host is not None else MissPlan()
         off_device = {*plan.on_host, plan.shared}
-        on_device = [e for e in needed if e not in off_device]
-        link_used = plan.shared is not None or any(not self.cache.is_resident((layer, e)) for e in on_device)
-        turns = chunks(on_device, self.cache.capacity)
+        turns = chunks([e for e in needed if e not in off_device], self.cache.capacity)
         try:
             for i, turn in enumerate(turns):
                 slots = self.cache.acquire(layer, turn)
@@ -109,7 +108,7 @@ class ExpertRuntime:
                     if i == len(turns) - 1 and self.prefetcher is not None:
                         self.prefetcher.after_routing(layer, hidden, needed, self.phase, self._lookahead_for(layer))
                     if i == 0:
-                        self._compute_on_host(layer, plan, compute_on_host, cache_them=not link_used)
+                        self._compute_on_host(layer, plan, compute_on_host)
                     if compute is not None:
                         for expert in turn:
                             self.cache.wait(layer, expert)
@@ -132,11 +131,11 @@ class ExpertRuntime:
         misses = [e for e in needed if not self.cache.is_resident((layer, e))]
         return self.planner.plan(misses, link_busy=self.cache.backend.link_busy())
 
-    def _compute_on_host(self, layer: int, plan: MissPlan, compute_on_host, cache_them: bool) -> None:
+    def _compute_on_host(self, layer: int, plan: MissPlan, compute_on_host) -> None:
         """The shared expert first: its device part waits for a partial copy, the host's whole ones do not.
 
         Afterwards each is copied in the background to be cached, if the policy values it over its
-        victim, when `cache_them` (the step left the link idle) or when the policy gives it at least
+        victim, when the step leaves the link idle or when the policy gives it at least
         `CACHE_MIN_CHANCE` of use on its layer's next run: where the link carries misses, such a copy
         delays the next steps' demand copies by up to a whole copy and saves one miss only if the
         expert comes back before eviction (bench/RESULTS.md, issue 13)."""
@@ -148,7 +147,7 @@ class ExpertRuntime:
             self.stats.add("cpu_computed", layer)  # a shared expert too: computed in part on the host
             with self.cache.backend.staged((layer, expert)) as buffer:  # held: no prefetch recycles it
                 compute_on_host(expert, buffer, fraction)
-            if cache_them or (self.policy.next_use_chance((layer, expert)) or 0.0) >= CACHE_MIN_CHANCE:
+            if plan.link_idle or (self.policy.next_use_chance((layer, expert)) or 0.0) >= CACHE_MIN_CHANCE:
                 self.cache.prefetch((layer, expert))  # cached for later tokens if the policy values it (low priority)
 
 

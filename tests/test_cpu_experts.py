@@ -47,6 +47,7 @@ def test_planner_sends_each_miss_to_the_lane_that_finishes_it_sooner(costs, miss
 def test_a_shared_miss_ends_both_lanes_together(costs, misses, plan):
     got = MissPlanner(costs, share=True).plan(misses)
     assert (got.on_host, got.shared) == (plan.on_host, plan.shared)
+    assert sorted([*got.on_host, *got.copied, *([got.shared] if got.shared is not None else [])]) == sorted(misses)
     assert got.host_fraction == pytest.approx(plan.host_fraction)
     if got.shared is not None:  # both lanes end at the same time
         host_end = (len(got.on_host) + got.host_fraction) * costs.host_ms
@@ -56,8 +57,11 @@ def test_a_shared_miss_ends_both_lanes_together(costs, misses, plan):
 
 def test_nothing_is_shared_while_the_link_is_busy_or_sharing_is_off():
     costs = MissCosts(copy_ms=6.4, host_ms=6.6)
-    assert MissPlanner(costs, share=True).plan([3], link_busy=True) == MissPlan([])
-    assert MissPlanner(costs).plan([3]) == MissPlan([])
+    assert MissPlanner(costs, share=True).plan([3], link_busy=True) == MissPlan([], copied=[3])
+    assert MissPlanner(costs).plan([3]) == MissPlan([], copied=[3])
+    assert not MissPlanner(costs).plan([3]).link_idle  # a copy: host-computed experts are not cached then
+    assert MissPlanner(MissCosts(copy_ms=14.1, host_ms=5.9)).plan([3, 5]).link_idle  # desktop: both on the host
+    assert not MissPlanner(costs, share=True).plan([3]).link_idle  # the shared part crosses the link
 
 
 def test_gain_needs_a_host_faster_than_two_copies():
