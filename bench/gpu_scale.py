@@ -10,12 +10,16 @@
 3. per shape, one row per variant: transformers with everything on the GPU; transformers +
    accelerate `device_map="auto"` with a GPU budget of the dense weights plus a quarter of the
    experts (the 1/4 cache rows' footprint); moe-serve with all experts resident, then at 1/16,
-   1/4 and 1/2 of the experts with `lru` and `sparsity-aware`, prefetch off and on.
+   1/4 and 1/2 of the experts with `lru` and `sparsity-aware`, prefetch off and on (each with
+   the engine's default `--cpu-experts auto`: misses may be computed on the host cores); at 1/4
+   also `lru` without prefetch and `--cpu-experts off` (every miss copied: issue 13's demand-only
+   baseline), and the same with `--expert-dtype int8 | int4 | int4-mixed` (issue 14's ratios).
    TPOT and TTFT: medians over `--rounds` requests of `--tokens` greedy tokens after a warm-up.
    Hit rate and GB moved per token count the decode steps only (the prefill is excluded);
 4. next to every moe-serve row, the timed replay's prediction (`cache.replay --timed`) for the
    routing that row recorded (`record_trace`), with the row's policy, cache size and prefetch,
-   the measured copy rate, the expert size, per-layer compute from the all-resident row and
+   the measured copy rate, the row's bytes per expert, the host executor's measured rate when
+   the engine turned it on (`--cpu-gbps`), per-layer compute from the all-resident row and
    the look-ahead accuracy the engine measured; the command that reproduces it is in the JSON.
 
 Prints one JSON object per line (kinds: env, plan, link, build, row, skipped, failed), then the Markdown
@@ -30,6 +34,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -37,13 +42,14 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from bench.engine_bench import PROMPT, engine_run, transformers_tpot
 from bench.scale_models import SHAPES, ModelShape, tiny, write_checkpoint
+from cache.quant import QUANT_DTYPES
 from cache.replay import replay
 from cache.timed import LinkSpec
 from cache.trace import load_trace
@@ -63,6 +69,8 @@ class Variant:
     fraction: float = 1.0  # moe-serve: share of all experts in the device cache
     policy: str = "lru"
     prefetch: bool = False
+    cpu_experts: str = "auto"  # the engine's --cpu-experts ("off": every miss copied, the demand-only baseline)
+    expert_dtype: str = "auto"  # the engine's --expert-dtype
 
     def label(self) -> str:
         if self.kind == "transformers":
@@ -71,8 +79,11 @@ class Variant:
             return 'transformers + accelerate `device_map="auto"`'
         if self.fraction >= 1:
             return "moe-serve engine, all experts resident"
-        default = " (the default)" if self.policy == "sparsity-aware" and self.prefetch else ""
-        return f"moe-serve, {self.policy}{' + prefetch' if self.prefetch else ', no prefetch'}{default}"
+        default = self.policy == "sparsity-aware" and self.prefetch and self.cpu_experts == "auto"
+        flags = "".join(f", --{flag} {value}" for flag, value, usual in (
+            ("cpu-experts", self.cpu_experts, "auto"), ("expert-dtype", self.expert_dtype, "auto")) if value != usual)
+        return (f"moe-serve, {self.policy}{' + prefetch' if self.prefetch else ', no prefetch'}{flags}"
+                f"{' (the default)' if default and not flags else ''}")
 
 
 @dataclass(frozen=True)
@@ -91,9 +102,19 @@ def plan(quick: bool) -> list[Variant]:
     if quick:
         return [Variant("transformers"), Variant("moe-serve"), Variant("moe-serve", 1 / 4),
                 Variant("moe-serve", 1 / 4, "sparsity-aware", True)]  # fmt: skip
-    cached = [Variant("moe-serve", f, policy, prefetch)
-              for f in FRACTIONS for policy in ("lru", "sparsity-aware") for prefetch in (False, True)]  # fmt: skip
+    cached = []
+    for f in FRACTIONS:
+        cached += [Variant("moe-serve", f, policy, prefetch) for policy in ("lru", "sparsity-aware") for prefetch in (False, True)]
+        if f == FRACTIONS[0]:
+            cached += headline_comparisons(f)
     return [Variant("transformers"), Variant("moe-serve"), *cached, Variant("accelerate")]
+
+
+def headline_comparisons(fraction: float) -> list[Variant]:
+    """At the headline cache size, lru without prefetch, every miss copied (the demand-only baseline of
+    issue 13's target), and the same with quantized experts (issue 14: TPOT against that baseline)."""
+    baseline = Variant("moe-serve", fraction, "lru", False, cpu_experts="off")
+    return [baseline, *(replace(baseline, expert_dtype=dtype) for dtype in QUANT_DTYPES)]
 
 
 def capacity_of(shape: ModelShape, variant: Variant) -> int:
@@ -196,6 +217,7 @@ def run_engine(folder: Path, variant: Variant, shape: ModelShape, settings: Sett
     engine = Engine.load(EngineConfig(
         model=str(folder), device=str(settings.device), dtype=dtype_name(settings.dtype),
         policy=variant.policy, prefetch=variant.prefetch, expert_cache_experts=capacity,
+        cpu_experts=variant.cpu_experts, expert_dtype=variant.expert_dtype,
         eamc_path=str(settings.workdir / f"{slug}.eamc"), record_trace=str(trace),
     ))  # fmt: skip
     load_s = time.perf_counter() - started
@@ -203,7 +225,7 @@ def run_engine(folder: Path, variant: Variant, shape: ModelShape, settings: Sett
         prompt = engine.encode(PROMPT)
         engine_run(engine, prompt, settings.warmup_tokens)
         runs = [engine_run(engine, prompt, settings.tokens) for _ in range(settings.rounds)]
-        lookahead = engine.cache_info()["lookahead_accuracy"]
+        info = engine.cache_info()
     finally:
         engine.close()
     del engine
@@ -218,7 +240,9 @@ def run_engine(folder: Path, variant: Variant, shape: ModelShape, settings: Sett
         "hit_rate": round(total["hits"] / accesses, 4) if accesses else None,
         "gb_per_token": round(total["bytes_transferred"] / steps / 1e9, 4),
         "prefetches_per_token": round(total["prefetches"] / steps, 3),
-        "lookahead_accuracy": lookahead, "trace": str(trace), "tokens": settings.tokens, "rounds": settings.rounds,
+        "lookahead_accuracy": info["lookahead_accuracy"], "trace": str(trace), "tokens": settings.tokens,
+        "rounds": settings.rounds, "expert_dtype": info["expert_dtype"], "bytes_per_expert": info["bytes_per_expert"],
+        "cpu_experts": info["cpu_experts"],
     }  # fmt: skip
 
 
@@ -243,8 +267,11 @@ def _medians(samples: list[tuple[float, float]]) -> dict:
 def predict(row: dict, variant: Variant, shape: ModelShape, link_gbps: float, resident_tpot_ms: float,
             dtype: torch.dtype) -> dict:  # fmt: skip
     """The timed replay of the routing this row recorded, with this row's cache and the measured link."""
-    spec = LinkSpec(expert_bytes=shape.expert_bytes(dtype), link_gbps=link_gbps,
-                    compute_ms=resident_tpot_ms / shape.moe_layers)  # fmt: skip
+    cpu = row["cpu_experts"]
+    expert_bytes = row["bytes_per_expert"]  # the row's own: quantized experts move fewer
+    cpu_gbps = expert_bytes / (cpu["cpu_ms_per_expert"] * 1e6) if cpu["enabled"] else 0.0
+    spec = LinkSpec(expert_bytes=expert_bytes, link_gbps=link_gbps, compute_ms=resident_tpot_ms / shape.moe_layers,
+                    cpu_gbps=cpu_gbps, share_misses=bool(cpu["shares_misses"]))  # fmt: skip
     lookahead = None
     if variant.prefetch:
         lookahead = row["lookahead_accuracy"] if row["lookahead_accuracy"] is not None else DEFAULT_LOOKAHEAD_ACCURACY
@@ -255,6 +282,8 @@ def predict(row: dict, variant: Variant, shape: ModelShape, link_gbps: float, re
                "--link-gbps", f"{link_gbps:.2f}", "--compute-ms", f"{spec.compute_ms:.4f}"]  # fmt: skip
     if variant.prefetch:
         command += ["--prefetch", "--lookahead-accuracy", f"{lookahead:.3f}"]
+    if cpu_gbps:
+        command += ["--cpu-gbps", f"{cpu_gbps:.2f}", *([] if spec.share_misses else ["--no-share-misses"])]
     return {
         "replay_tpot_ms": result["tpot_ms"],
         "replay_error": round(result["tpot_ms"] / row["tpot_ms"] - 1, 4),
@@ -408,7 +437,7 @@ def _table_order(row: dict) -> tuple:
     """transformers, accelerate, then moe-serve all-resident and by growing cache (rows run in another order)."""
     runner = ("transformers", "accelerate", "moe-serve").index(row["runner"])
     fraction = row["fraction"] or 0.0
-    return runner, fraction < 1, fraction, row["policy"], row["prefetch"]
+    return runner, fraction < 1, fraction, row["policy"], row["prefetch"], row["variant"]
 
 
 def _table_row(row: dict) -> str:
@@ -476,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     emit({"kind": "plan", "shapes": list(shapes), "rows": [v.label() for v in variants]})
     budget = Budget(args.budget_s)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        os.environ["MOE_SERVE_STATE_DIR"] = str(Path(tmp) / "state")  # quantized experts: with the checkpoints
         settings = Settings(device, dtype, args.rounds, args.tokens, args.warmup_tokens, args.accelerate_tokens,
                             Path(tmp))  # fmt: skip
         link = measure_link(shapes, settings, GIB if device.type == "cuda" else 64 << 20)

@@ -15,6 +15,7 @@ import torch
 import bench.gpu_scale as gpu_scale
 from bench.gpu_scale import Budget, Settings, Variant, placement, plan, run_all, schedule, table
 from bench.scale_models import SHAPES, tiny
+from cache.quant import QUANT_DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE_KEYS = ("mixtral", "deepseek")
@@ -65,7 +66,7 @@ def test_dry_run_rows_carry_measurements_and_the_replay_prediction(dry_run):
     rows = [r for r in records if r["kind"] == "row"]
     assert all(r["tpot_ms"] > 0 and r["ttft_ms"] > 0 for r in rows)
     engine_rows = [r for r in rows if r["runner"] == "moe-serve"]
-    assert len(engine_rows) == 2 * 13
+    assert len(engine_rows) == 2 * 17
     for r in engine_rows:
         assert 0 <= r["hit_rate"] <= 1 and r["gb_per_token"] >= 0
         assert r["replay_tpot_ms"] > 0 and 0 <= r["replay_hit_rate"] <= 1
@@ -82,6 +83,22 @@ def test_dry_run_rows_carry_measurements_and_the_replay_prediction(dry_run):
     accelerate = [r for r in rows if r["runner"] == "accelerate"]
     assert len(accelerate) == 2
     assert all(sum(r["placement"].values()) == TINY_LAYERS and r["gpu_budget_bytes"] > 0 for r in accelerate)
+
+
+@pytest.mark.slow
+def test_dry_run_compares_quantized_experts_with_the_demand_only_baseline(dry_run):
+    records, _, _ = dry_run
+    rows = [r for r in records if r["kind"] == "row" and r["runner"] == "moe-serve" and r["fraction"] == 1 / 4]
+    for shape in SHAPE_KEYS:
+        ours = {r["variant"]: r for r in rows if r["shape"] == shape}
+        baseline = ours["moe-serve, lru, no prefetch, --cpu-experts off"]
+        assert baseline["expert_dtype"] == "float32" and baseline["cpu_experts"]["enabled"] is False
+        for dtype in QUANT_DTYPES:
+            row = ours[f"moe-serve, lru, no prefetch, --cpu-experts off, --expert-dtype {dtype}"]
+            assert row["expert_dtype"] == dtype and row["cpu_experts"]["enabled"] is False
+            assert row["bytes_per_expert"] < baseline["bytes_per_expert"] / 2  # float32 in the dry run
+            assert f"--expert-mb {row['bytes_per_expert'] / 1e6:g} " in row["replay_command"]
+            assert row["hit_rate"] < 1 and row["tpot_ms"] > 0
 
 
 @pytest.mark.slow
@@ -129,7 +146,7 @@ def test_schedule_runs_each_group_for_both_shapes_and_accelerate_last():
     assert len(jobs) == 2 * len(plan(quick=False))
     assert [(key, v.kind) for key, _, v in jobs[:4]] == [("a", "transformers"), ("b", "transformers"),
                                                          ("a", "moe-serve"), ("b", "moe-serve")]  # fmt: skip
-    assert [v.fraction for _, _, v in jobs[2:]][:10] == [1, 1, *[1 / 4] * 8]
+    assert [v.fraction for _, _, v in jobs[2:]][:18] == [1, 1, *[1 / 4] * 16]
     assert [(key, v.kind) for key, _, v in jobs[-2:]] == [("a", "accelerate"), ("b", "accelerate")]
 
 
