@@ -5,8 +5,12 @@
 For each model the unquantized engine (`--expert-dtype auto`, float32 on CPU) writes a greedy
 continuation of varied prompts (`bench.prompts`), `--tokens` in all. Every quantized form then
 reads the same sequences (teacher-forced, so one early flip does not change everything after it):
-*agreement* is the share of positions where its greedy choice equals the reference token, *KL*
-the mean KL(reference || quantized) of the next-token distributions there. On the demo model
+*agreement* is the share of positions where its greedy choice equals the reference token,
+*agreement_same_pass* the share where it equals the reference's own greedy choice in the same
+teacher-forced pass (prefill against prefill: what the weights change, without the gap between the
+reference's prefill and its decode), *KL* the mean KL(reference || quantized) of the next-token
+distributions there. *flip_margin_*: by how many nats the reference preferred its own token
+where the form chose another (near 0: a near-tie that any rounding can flip). On the demo model
 also the perplexity of `bench/data/public_domain.txt` (the Gettysburg Address, the start of the
 Declaration of Independence and the Preamble of the US Constitution). Prints one JSON object.
 
@@ -14,6 +18,9 @@ Two controls: `reference_teacher_forced` (the reference against its own greedy t
 its prefill and decode disagree) and the form `bf16-compute` (no quantization, the model computed
 in bf16): what rounding the activations alone does, a floor for how sensitive the model is. The
 CPU kernels take bf16 activations, so the int8 per-channel and int4 kernel forms include it.
+
+`--compute-dtype bfloat16` runs the reference and every form in bf16 (as CUDA runs the engine), so
+the forms differ from the reference by the quantized expert weights alone: "agreement with bf16".
 """
 
 from __future__ import annotations
@@ -68,14 +75,33 @@ def _log_probs(engine: Engine, ids: list[int]) -> torch.Tensor:
 def _compare(engine: Engine | None, sequences, reference: list[torch.Tensor]) -> dict:
     """Against the reference's greedy tokens; `engine` None: the reference itself, teacher-forced
     (1.0 unless its prefill and its decode disagree)."""
-    agree, kl, count = 0, 0.0, 0
+    agree, agree_prefill, kl, count = 0, 0, 0.0, 0
+    flip_margins, margins = [], []
     for (start, ids), ref in zip(sequences, reference):
         ours = (ref if engine is None else _log_probs(engine, ids))[start - 1 : -1]  # [T, V] predictions of the continuation
         ref_positions = ref[start - 1 : -1]
         agree += int((ours.argmax(-1) == torch.tensor(ids[start:])).sum())
+        same = ours.argmax(-1) == ref_positions.argmax(-1)  # [T]
+        agree_prefill += int(same.sum())
+        top2 = ref_positions.topk(2, dim=-1).values  # [T, 2]
+        margin = top2[:, 0] - top2[:, 1]  # [T] nats by which the reference prefers its token
+        margins += margin.tolist()
+        flip_margins += margin[~same].tolist()
         kl += float((ref_positions.exp() * (ref_positions - ours)).sum())
         count += len(ids) - start
-    return {"agreement": agree / count, "mean_kl": kl / count, "positions": count}
+    return {"agreement": agree / count, "agreement_same_pass": agree_prefill / count, "mean_kl": kl / count,
+            "positions": count, **_flip_summary(flip_margins, margins)}
+
+
+def _flip_summary(flip_margins: list[float], margins: list[float]) -> dict:
+    """How close to a tie the flipped positions were: the reference's top-1 minus top-2 log-prob there,
+    and how many positions of the whole set are at least that close (a flip there is a coin toss)."""
+    if not flip_margins:
+        return {"flip_margin_max": None, "positions_within_flip_margin_max": 0}
+    worst = max(flip_margins)
+    return {"flip_margin_median": round(sorted(flip_margins)[len(flip_margins) // 2], 4),
+            "flip_margin_max": round(worst, 4),
+            "positions_within_flip_margin_max": sum(m <= worst for m in margins)}
 
 
 def _perplexity(engine: Engine) -> float:
@@ -87,10 +113,11 @@ def _perplexity(engine: Engine) -> float:
 
 def measure(name: str, folder: Path | None, forms: list[tuple[str, int]], args: argparse.Namespace) -> dict:
     start = time.perf_counter()
-    reference = _engine(folder)
+    reference = _engine(folder, dtype=args.compute_dtype)
     sequences = _sequences(reference, args.prompts, args.tokens)
     ref_logp = [_log_probs(reference, ids) for _, ids in sequences]
-    result = {"bytes_per_expert": {"reference": reference.loaded.host.bytes_per_expert}, "forms": {}}
+    result = {"bytes_per_expert": {"reference": reference.loaded.host.bytes_per_expert}, "forms": {},
+              "compute_dtype": args.compute_dtype}
     result["reference_teacher_forced"] = _compare(None, sequences, ref_logp)
     if name == "demo":
         result["perplexity"] = {"reference": _perplexity(reference)}
@@ -102,7 +129,8 @@ def measure(name: str, folder: Path | None, forms: list[tuple[str, int]], args: 
         if expert_dtype == BF16_CONTROL:  # unquantized, all in bf16: what bf16 activations alone change
             engine, label = _engine(folder, dtype="bfloat16"), BF16_CONTROL
         else:
-            engine, label = _engine(folder, expert_dtype, group), f"{expert_dtype}-g{group or 'channel'}"
+            engine = _engine(folder, expert_dtype, group, dtype=args.compute_dtype)
+            label = f"{expert_dtype}-g{group or 'channel'}"
         loaded = time.perf_counter()
         row = _compare(engine, sequences, ref_logp)
         row["bytes_per_expert"] = engine.loaded.host.bytes_per_expert
@@ -132,6 +160,8 @@ def main() -> None:
     parser.add_argument("--models", default="demo,mixtral")
     parser.add_argument("--forms", default=None,
                         help=f"e.g. int8:0,int4:64,{BF16_CONTROL}:0 (0: per channel); default: FORMS")
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16"],
+                        help="the reference's and the forms' compute dtype (auto: float32 on CPU)")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
