@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole GPU check as one prepared run on a lent machine (issues 10, 13, 14): the CUDA
+# correctness checks, then the prepared benchmark, every result written under $OUT.
+#   here:   bash bench/gpu_wheels.sh
+#   device: run with carry [".whl"], timeout_s 600, command `bash bench/gpu_session.sh`
+# GPU_SCALE_BUDGET_S (default 330) bounds the benchmark's rows; CUDA_CHECK_S (default 180)
+# bounds the checks; GPU_SCALE_ARGS adds flags (`--dry-run` runs that half here on CPU). Record the numbers in bench/RESULTS.md (and the table: $OUT/gpu_scale.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing .whl failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+  --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
+  | tee -a "$OUT/gpu.txt"
+timeout "${CUDA_CHECK_S:-180}" python3 -m bench.cuda_check --out "$OUT/cuda_check.json" > "$OUT/cuda_check.log" 2>&1
+echo "cuda_check exit $?"; tail -n 40 "$OUT/cuda_check.log"
+timeout $(( ${GPU_SCALE_BUDGET_S:-330} + 60 )) python3 -m bench.gpu_scale --budget-s "${GPU_SCALE_BUDGET_S:-330}" \
+  --out "$OUT/gpu_scale.md" ${GPU_SCALE_ARGS:-} > "$OUT/gpu_scale.jsonl" 2>&1
+echo "gpu_scale exit $?"; cat "$OUT/gpu_scale.md" 2>/dev/null || tail -n 40 "$OUT/gpu_scale.jsonl"
