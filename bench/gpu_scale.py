@@ -23,8 +23,9 @@
    the look-ahead accuracy the engine measured; the command that reproduces it is in the JSON.
 
 Prints one JSON object per line (kinds: env, plan, link, build, row, skipped, failed), then the Markdown
-table; `--out FILE` appends the table to FILE. Rows that would end past `--budget-s` are skipped
-(and say so), so a run never overstays its lease. The accelerate rows generate fewer tokens
+table and the issues' targets judged from its rows (`bench.gpu_targets`); `--out FILE` appends both
+to FILE. Rows that would end past `--budget-s` are skipped (and say so), so a run never overstays
+its lease. The accelerate rows generate fewer tokens
 (`--accelerate-tokens`): they take seconds per token.
 """
 
@@ -48,6 +49,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import PROMPT, engine_run, transformers_tpot
+from bench.gpu_targets import section as targets_section
 from bench.scale_models import SHAPES, ModelShape, tiny, write_checkpoint
 from cache.quant import QUANT_DTYPES
 from cache.replay import replay
@@ -356,6 +358,7 @@ def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Se
                "prefetch": variant.prefetch, "fraction": variant.fraction if variant.kind == "moe-serve" else None}  # fmt: skip
         if variant.kind == "moe-serve":
             row["cache"] = f"{capacity_of(shape, variant)}/{shape.total_experts}"
+            row["variant_cpu_experts"], row["variant_expert_dtype"] = variant.cpu_experts, variant.expert_dtype
         if folders[key] is None:
             row.update(kind="failed", reason="no checkpoint (its build failed)")
         elif not budget.allows(key, variant.kind):
@@ -511,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         link = measure_link(shapes, settings, GIB if device.type == "cuda" else 64 << 20)
         emit({"kind": "link", **link})
         rows = run_all(shapes, variants, settings, link, budget)
-    text = table(env, link, shapes, rows, dtype)
+    text = table(env, link, shapes, rows, dtype) + targets_section(rows)
     print(text, end="")
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:

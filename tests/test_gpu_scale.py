@@ -112,6 +112,12 @@ def test_dry_run_prints_the_table_and_appends_it_to_out(dry_run):
         assert any(line.startswith(f"| {r['variant']}") for line in body), r["variant"]
     assert len([line for line in body if line.startswith(("| transformers", "| moe-serve"))]) == len(rows)
     assert "not a measurement" in table
+    targets = table[table.index("**Targets**"):]  # bench.gpu_targets, after both shapes' tables
+    for shape in SHAPE_KEYS:
+        assert f"| 10 | the default ≤ lru without prefetch | {shape}, " in targets
+        assert any(line.startswith("| 13 | --cpu-experts auto ≤ ") and f"| {shape}, " in line
+                   for line in targets.splitlines())  # fmt: skip
+    assert targets.count("| 14 | int8 ") == 2 and "timed replay within 15%" in targets
     assert out.read_text() == "# earlier results\n\n" + table.strip("\n") + "\n"
 
 
