@@ -112,7 +112,9 @@ def _headline_lines(rows: list[dict], shapes: list[str]) -> list[str]:
             limit = HOST_EXECUTOR_MAX if shape == "mixtral" else 1.0
             lines.append(_line("13", f"--cpu-experts auto ≤ {limit} × off (lru, no prefetch)", where,
                                f"{ratio:.3f} ×", ratio <= limit))  # fmt: skip
-        for dtype in ("int8", "int4", "int4-mixed"):
+        quantized = dict.fromkeys(r.get("variant_expert_dtype") for r in rows if r.get("variant_expert_dtype")
+                                  not in ("auto", None))  # fmt: skip
+        for dtype in quantized:  # the forms this run measured (gpu_scale: cache.quant.QUANT_DTYPES)
             row = _engine(rows, shape, HEADLINE, "lru", False, cpu_experts="off", expert_dtype=dtype)
             ratio = _ratio(row, baseline)
             if ratio is None:
