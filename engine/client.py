@@ -43,6 +43,7 @@ class EngineClient:
         self._active: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._loaded = threading.Event()
+        self._abandoned = False  # shut down while loading
         self._worker = threading.Thread(
             target=self._run, args=(load_engine,), name="engine-worker", daemon=True
         )
@@ -101,7 +102,17 @@ class EngineClient:
             job.aborted.set()
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Abort everything, stop the worker, then let the engine persist its state."""
+        """Abort everything, stop the worker, then let the engine persist its state.
+
+        A load still running (it can take minutes) is abandoned to the daemon worker, which the
+        process exit ends: there is no state to persist yet, and the demo build and the
+        quantized-expert file are published atomically, so nothing half-written stays behind."""
+        with self._lock:  # one lock with the worker keeping the loaded engine
+            self._abandoned = self.engine is None and self.error is None
+        if self._abandoned:
+            log.warning("stopping during the model load: the load is abandoned")
+            self._loaded.set()  # releases `wait_ready`: not ready
+            return
         with self._lock:
             jobs = list(self._active.values())
             self._active.clear()
@@ -126,13 +137,18 @@ class EngineClient:
 
     def _run(self, load_engine: Callable[[], Engine]) -> None:
         try:
-            self.engine = load_engine()
+            engine = load_engine()
+            with self._lock:  # one lock with `shutdown`: the engine is kept, or the load was abandoned
+                if not self._abandoned:
+                    self.engine = engine
         except Exception as e:  # surfaced through /health and every request
             log.exception("loading the engine failed")
             self.error = f"{type(e).__name__}: {e}"
             return
         finally:
             self._loaded.set()
+        if self.engine is None:  # abandoned
+            return
         try:
             while (job := self._jobs.get()) is not None:
                 self._run_job(self.engine, job)

@@ -47,10 +47,15 @@ class RemoteServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> RemoteServer:
+    def launch(self) -> RemoteServer:
+        """Start the process without waiting for it to be ready."""
         with self.log_file.open("wb") as log:
             self.process = subprocess.Popen(self.args, cwd=REPO_ROOT, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT)
+        return self
+
+    def start(self) -> RemoteServer:
+        self.launch()
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -178,3 +178,24 @@ def test_graceful_shutdown_closes_the_engine():
         wait_for_health(srv.url, 200)
         assert httpx.get(f"{srv.url}/v1/expert-cache").json() == {"policy": "scripted"}
     assert engine.closed
+
+
+def test_shutdown_during_the_load_does_not_wait_for_it():
+    finish_load = threading.Event()
+    engine = ScriptedEngine(fail=False)
+
+    def long_load():
+        finish_load.wait(120)  # a real model's load can take minutes
+        return engine
+
+    reported: list[str] = []
+    srv = InProcessServer(long_load, on_load_failure=reported.append)
+    with srv:
+        wait_for_health(srv.url, 503)
+        asked_to_stop = time.monotonic()
+    assert not srv.thread.is_alive() and time.monotonic() - asked_to_stop < 10
+    client = srv.server.config.app.state.client
+    finish_load.set()  # the abandoned load ends after the shutdown: its engine is not kept
+    time.sleep(0.2)
+    assert client.engine is None and not client.ready and not engine.closed
+    assert reported == []  # stopping is not a load failure: the CLI exits 0, not 1

@@ -92,3 +92,24 @@ def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_
         assert server.process.wait(30) in (0, -signal.SIGTERM)
     finally:
         server.stop()
+
+
+def test_sigterm_during_the_model_load_ends_the_process_at_once(tmp_path):
+    # the built-in demo model, built on the first start into an empty cache: a load of about a minute
+    server = RemoteServer([], env={"MOE_SERVE_CACHE_DIR": str(tmp_path / "cache")}).launch()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log()[-2000:]
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).json().get("status") == "loading":
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        server.process.send_signal(signal.SIGTERM)
+        asked_to_stop = time.monotonic()
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - asked_to_stop < 10, server.log()[-2000:]
+        assert "the load is abandoned" in server.log() and "could not load the model" not in server.log()
+    finally:
+        server.stop()
