@@ -39,10 +39,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                             timeout_graceful_shutdown=server_config.drain_timeout + SHUTDOWN_GRACE_S)
     server = uvicorn.Server(config)
     server.handle_exit = _draining(server.handle_exit, app)
+    listening = _listen(config, server_config)
     log.info("serving %s on http://%s:%d/v1", engine_config.model or "the built-in demo model",
-             _url_host(server_config.host), server_config.port)
+             _url_host(server_config.host), listening.getsockname()[1])
     try:
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:
         pass
     if failures:
@@ -50,6 +51,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(1)
     if not server.started:  # e.g. the port is taken; uvicorn has said why
         sys.exit(STARTUP_FAILURE)
+
+
+def _listen(config, server_config: ServerConfig):
+    """The bound listening socket. Bound before uvicorn starts the app, which starts loading the
+    model: a port in use ends the start at once instead of after a load of minutes."""
+    try:
+        return config.bind_socket()  # uvicorn's own binding (address family, SO_REUSEADDR)
+    except SystemExit:  # uvicorn has logged the OSError
+        log.error("moe-serve: cannot listen on %s:%d; if another server uses that port, stop it or pick "
+                  "another --port", _url_host(server_config.host), server_config.port)
+        raise
 
 
 def _draining(handle_exit: Callable, app) -> Callable:

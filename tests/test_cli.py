@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,19 @@ def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path, case)
     assert time.monotonic() - start < 60  # run_cli's timeout: before, it served 503 forever
     last = result.stderr.strip().splitlines()[-1]
     assert "could not load the model" in last and reason in last.lower()
+
+
+def test_a_port_in_use_ends_the_start_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a model that cannot load: had the load started, the exit would be 1 with its reason
+        result = run_cli("--model", str(tmp_path / "nonexistent"), "--port", str(port),
+                         env={**os.environ, "MOE_SERVE_STATE_DIR": str(tmp_path)})  # fmt: skip
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert "could not load the model" not in result.stderr and "Application startup" not in result.stderr
 
 
 def test_installed_console_script_answers_help():
