@@ -63,6 +63,7 @@ def test_running_requests_finish_within_the_drain(checkpoint):
         assert "engine shut down" in server.log()
     finally:
         server.stop()
+        print(server.log()[-6000:])  # shown when the test fails
 
 
 def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_done(checkpoint):
@@ -92,6 +93,7 @@ def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_
         assert server.process.wait(30) in (0, -signal.SIGTERM)
     finally:
         server.stop()
+        print(server.log()[-6000:])  # shown when the test fails
 
 
 def test_sigterm_during_the_model_load_ends_the_process_at_once(tmp_path):
@@ -113,3 +115,4 @@ def test_sigterm_during_the_model_load_ends_the_process_at_once(tmp_path):
         assert "the load is abandoned" in server.log() and "could not load the model" not in server.log()
     finally:
         server.stop()
+        print(server.log()[-6000:])  # shown when the test fails
