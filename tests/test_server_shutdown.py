@@ -3,6 +3,7 @@ finish, then the rest are aborted; every stream ends with [DONE]."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -42,6 +43,15 @@ def refuses_connections(url: str, timeout: float = 5) -> bool:
     return False
 
 
+def wait_for_queue_depth(server: RemoteServer, depth: int, timeout: float = 30) -> None:
+    """Until the server counts `depth` requests waiting or running (a fixed sleep lost the race under load)."""
+    deadline = time.monotonic() + timeout
+    pattern = re.compile(r"^moe_queue_depth (\S+)$", re.MULTILINE)
+    while float(pattern.search(httpx.get(f"{server.url}/metrics", timeout=5).text).group(1)) < depth:
+        assert time.monotonic() < deadline, f"the queue never reached {depth}"
+        time.sleep(0.05)
+
+
 def stream_after_sigterm(server: RemoteServer, request: dict) -> list:
     """The stream's events; SIGTERM goes out once the first token has arrived."""
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=request, timeout=60) as response:
@@ -72,7 +82,6 @@ def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_
         queued: dict[str, httpx.Response] = {}
 
         def wait_in_queue() -> None:  # behind the stream: the engine runs one request at a time
-            time.sleep(0.5)
             queued["response"] = httpx.post(f"{server.url}/v1/chat/completions", json=body(490, stream=False),
                                             timeout=60)
 
@@ -82,7 +91,7 @@ def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_
             events = sse_json(response.iter_lines())
             received = [next(events), next(events)]
             thread.start()
-            time.sleep(1.0)  # the second request is in
+            wait_for_queue_depth(server, 2)  # the second request is in
             server.process.send_signal(signal.SIGTERM)
             received += list(events)
         thread.join(30)
