@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
 CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
+# what transformers' apply_chat_template takes itself, or the server sets: not a template variable
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 WARM_UP_TOKENS = 4
 
 
@@ -186,8 +191,10 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids; `tools` (OpenAI function definitions) only for a template that takes them."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Prompt token ids; `tools` (OpenAI function definitions) only for a template that takes them;
+        `template_kwargs`: more variables for the template (`enable_thinking`, ...)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
@@ -195,16 +202,21 @@ class Engine:
         supports_tools = self.chat_template_info.supports_tools
         if tools and not supports_tools:
             raise InvalidRequestError("this model's chat template cannot take tools", param="tools")
+        reserved = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server sets them",
+                                      param="chat_template_kwargs")
         normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._encoder_lock:
-            text = self._render_chat_template(normalised, tools)
+            text = self._render_chat_template(normalised, tools, template_kwargs or {})
             return self._encoder(text, add_special_tokens=False)["input_ids"]
 
-    def _render_chat_template(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def _render_chat_template(self, messages: list[dict], tools: list[dict] | None,
+                              template_kwargs: dict[str, Any]) -> str:
         """The model's template, in transformers' Jinja sandbox and within CHAT_TEMPLATE_TIME_LIMIT_S."""
         def render() -> str:
             return self._encoder.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                     tokenize=False)
+                                                     tokenize=False, **template_kwargs)
         try:
             return call_with_time_limit(render, CHAT_TEMPLATE_TIME_LIMIT_S)
         except TimeLimitExceeded:

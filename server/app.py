@@ -132,6 +132,7 @@ def create_app(
     app = FastAPI(title="moe-serve", version=VERSION, lifespan=lifespan)
     app.state.fingerprint = SYSTEM_FINGERPRINT
     app.state.tool_call_parser = server_config.tool_call_parser
+    app.state.reasoning_parser = server_config.reasoning_parser
     app.state.started = int(time.time())
     metrics = ServerMetrics(
         queue_depth=lambda: app.state.serving.scheduler.depth,

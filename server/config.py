@@ -19,6 +19,7 @@ import yaml
 
 from engine.config import CPU_EXPERTS, DTYPES, EXPERT_DTYPES, POLICY_NAMES, EngineConfig
 from server import VERSION
+from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import PARSER_NAMES
 
 ENV_PREFIX = "MOE_SERVE_"
@@ -37,6 +38,7 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_queue: int = 64  # requests waiting or running; beyond it, 503
     tool_call_parser: str = "auto"  # auto: from the chat template, else the model type
+    reasoning_parser: str = "auto"  # auto: from the chat template, else the model type
     max_request_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are read whole
     drain_timeout: float = 20.0  # on shutdown, seconds running requests get to finish before they are aborted
 
@@ -55,6 +57,9 @@ class ServerConfig:
             raise ValueError("api-key must not be blank")
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool-call-parser must be one of {', '.join(PARSER_NAMES)}, not {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"not {self.reasoning_parser!r}")
 
     @property
     def is_loopback(self) -> bool:
@@ -162,6 +167,9 @@ FLAGS: tuple[Flag, ...] = (
          default_text="the model's max_position_embeddings"),
     Flag("--tool-call-parser", ServerConfig, str, "how tool calls are read out of the model's output: "
          "auto picks by the chat template, else the model type", choices=PARSER_NAMES),
+    Flag("--reasoning-parser", ServerConfig, str, "how a reasoning model's thinking is read out of its output "
+         "into `reasoning_content`: think (<think>...</think>), harmony (GPT-OSS channels), none (left in the "
+         "content); auto picks by the chat template, else the model type", choices=REASONING_PARSERS),
 )
 FLAGS_BY_FIELD = {flag.field: flag for flag in FLAGS}
 # one size in two units: `--expert-cache-experts 40` overrides a preset's `expert_cache_gb: 18`

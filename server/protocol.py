@@ -296,6 +296,7 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [
@@ -352,9 +353,11 @@ class ChatChoiceLogprobs(ResponseModel):
 
 
 class AssistantMessage(ResponseModel):
-    _omit_unless_given = frozenset({"tool_calls"})
+    _omit_unless_given = frozenset({"reasoning_content", "reasoning", "tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # as in DeltaMessage
+    reasoning: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
@@ -383,9 +386,11 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class DeltaMessage(ResponseModel):
-    _omit_unless_given = frozenset({"role", "content", "tool_calls"})  # the last chunk's delta is {}
+    _omit_unless_given = frozenset({"role", "content", "reasoning_content", "reasoning", "tool_calls"})  # the last chunk's delta is {}
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (DeepSeek's name; vLLM's older one)
+    reasoning: str | None = None  # the same (vLLM's newer name)
     tool_calls: list[DeltaToolCall] | None = None
 
 

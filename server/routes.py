@@ -13,6 +13,7 @@ from engine.constraint import added_token_ids
 from server import protocol as p
 from server.errors import model_not_found
 from server.json_body import StrictJSONRoute
+from server.reasoning import plan_reasoning
 from server.serving import ChatFormat, CompletionFormat, Serving
 from server.structured import with_response_format
 from server.tools import WARNING_HEADER, plan_tools
@@ -53,8 +54,12 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
     params = body.to_sampling_params(engine.sampling_defaults)
     params = with_response_format(plan.sampling_params(params), body.response_format)
     # the model's own template, never the request's; off the event loop, like all tokenizing
-    prompt = await run_in_threadpool(engine.apply_chat_template, plan.messages(body.engine_messages()), plan.tools)
-    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan)
+    prompt = await run_in_threadpool(engine.apply_chat_template, plan.messages(body.engine_messages()), plan.tools,
+                                     body.chat_template_kwargs)
+    reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt)
+    params = reasoning.sampling_params(params)
+    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan,
+                     reasoning_plan=reasoning)
     request = GenerationRequest(fmt.id, prompt, params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
     if plan.warning:

@@ -30,8 +30,9 @@ from engine.api import (
 from server import protocol as p
 from server.errors import APIError, to_api_error
 from server.metrics import ABORTED, ERROR, OK, ServerMetrics
+from server.reasoning import OutputReader, Reasoning, ReasoningPlan
 from server.scheduling import Scheduler, Ticket
-from server.tool_parsers import Piece, ToolCall, ToolCallStream
+from server.tool_parsers import ToolCall
 from server.tools import ToolPlan
 
 log = logging.getLogger(__name__)
@@ -120,9 +121,14 @@ class ChatFormat:
     id: str = field(default_factory=lambda: p.random_id("chatcmpl"))
     created: int = field(default_factory=p.now)
     tool_plan: ToolPlan = field(default_factory=ToolPlan)
+    reasoning_plan: ReasoningPlan = field(default_factory=ReasoningPlan)
 
     def __post_init__(self) -> None:
-        self._calls = self.tool_plan.stream()  # reads tool calls out of the streamed text
+        self._reader = self._new_reader()  # reads reasoning and tool calls out of the streamed text
+
+    def _new_reader(self) -> OutputReader | None:
+        reasoning, calls = self.reasoning_plan.stream(), self.tool_plan.stream()
+        return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
 
     def _chunk(self, delta: p.DeltaMessage, logprobs=None, finish_reason=None) -> p.ChatCompletionStreamResponse:
         choice = p.ChatCompletionStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
@@ -134,19 +140,22 @@ class ChatFormat:
 
     def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
         logprobs = p.ChatChoiceLogprobs.of(list(event.logprobs)) if self.want_logprobs else None
-        if self._calls is None:
+        if self._reader is None:
             return [self._chunk(p.DeltaMessage(content=event.text), logprobs)]
-        return self._piece_chunks(self._calls.feed(event.text), logprobs)
+        return self._piece_chunks(self._reader.feed(event.text), logprobs)
 
     def finish(self, finish_reason: str) -> list[BaseModel]:
-        rest = self._piece_chunks(self._calls.finish(), None) if self._calls else []
-        return rest + [self._chunk(p.DeltaMessage(), finish_reason=_finish_reason(finish_reason, self._calls))]
+        rest = self._piece_chunks(self._reader.finish(), None) if self._reader else []
+        return rest + [self._chunk(p.DeltaMessage(), finish_reason=_finish_reason(finish_reason, self._reader))]
 
-    def _piece_chunks(self, pieces: list[Piece], logprobs) -> list[BaseModel]:
+    def _piece_chunks(self, pieces: list, logprobs) -> list[BaseModel]:
         chunks: list[BaseModel] = []
         for piece in pieces:
             if isinstance(piece, str):
                 chunks.append(self._chunk(p.DeltaMessage(content=piece), logprobs))
+                logprobs = None
+            elif isinstance(piece, Reasoning):
+                chunks.append(self._chunk(p.DeltaMessage(reasoning_content=piece.text, reasoning=piece.text), logprobs))
                 logprobs = None
             else:
                 chunks += [self._chunk(p.DeltaMessage(tool_calls=[delta])) for delta in _call_deltas(piece)]
@@ -161,9 +170,9 @@ class ChatFormat:
 
     def response(self, outcome: Outcome) -> BaseModel:
         logprobs = p.ChatChoiceLogprobs.of(outcome.logprobs) if self.want_logprobs else None
-        calls = self.tool_plan.stream()
-        choice = p.ChatCompletionChoice(index=0, message=_message(outcome.text, calls), logprobs=logprobs,
-                                        finish_reason=_finish_reason(outcome.finish_reason, calls))
+        reader = self._new_reader()
+        choice = p.ChatCompletionChoice(index=0, message=_message(outcome.text, reader), logprobs=logprobs,
+                                        finish_reason=_finish_reason(outcome.finish_reason, reader))
         return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
                                         system_fingerprint=self.fingerprint, choices=[choice],
                                         usage=usage_info(outcome.usage))
@@ -178,19 +187,24 @@ def _call_deltas(call: ToolCall) -> list[p.DeltaToolCall]:
     ]
 
 
-def _message(text: str, calls: ToolCallStream | None) -> p.AssistantMessage:
-    if calls is None:
+def _message(text: str, reader: OutputReader | None) -> p.AssistantMessage:
+    if reader is None:
         return p.AssistantMessage(content=text)
-    content = "".join(piece for piece in calls.feed(text) + calls.finish() if isinstance(piece, str))
-    if not calls.calls:
-        return p.AssistantMessage(content=content)
-    tool_calls = [p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
-                  for c in calls.calls]
-    return p.AssistantMessage(content=content or None, tool_calls=tool_calls)
+    pieces = reader.feed(text) + reader.finish()
+    content = "".join(piece for piece in pieces if isinstance(piece, str))
+    thought = "".join(piece.text for piece in pieces if isinstance(piece, Reasoning))
+    fields: dict = {"content": content}
+    if thought:
+        fields.update(reasoning_content=thought, reasoning=thought)
+    if reader.tool_calls:
+        fields.update(content=content or None, tool_calls=[
+            p.ToolCallOut(id=c.id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in reader.tool_calls])
+    return p.AssistantMessage(**fields)
 
 
-def _finish_reason(engine_reason: str | None, calls: ToolCallStream | None) -> str | None:
-    return "tool_calls" if engine_reason == "stop" and calls is not None and calls.calls else engine_reason
+def _finish_reason(engine_reason: str | None, reader: OutputReader | None) -> str | None:
+    return "tool_calls" if engine_reason == "stop" and reader is not None and reader.tool_calls else engine_reason
 
 
 @dataclass

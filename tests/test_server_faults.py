@@ -34,7 +34,8 @@ class ScriptedEngine:
     def encode(self, text: str) -> list[int]:
         return [1] * len(text.split())
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         return [1, 2, 3]
 
     def validate(self, request: GenerationRequest) -> None:

@@ -64,7 +64,8 @@ class RecordedEngine:
         self.messages: list[dict] = []
         self.params = None
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         self.messages, self.tools = messages, tools
         return [1, 2, 3]
 

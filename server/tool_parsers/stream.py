@@ -49,9 +49,9 @@ class ToolCallStream:
     def _drain(self, final: bool) -> list[Piece]:
         out: list[Piece] = []
         while True:
-            start = _first_marker(self._buffer, self.parser.markers)
+            start = first_marker(self._buffer, self.parser.markers)
             if start is None:
-                keep = 0 if final else _partial_marker(self._buffer, self.parser.markers)
+                keep = 0 if final else partial_marker(self._buffer, self.parser.markers)
                 self._content(self._buffer[: len(self._buffer) - keep], out)
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return _joined(out)
@@ -89,12 +89,12 @@ class ToolCallStream:
         self._space, self._after_call = text[len(body):], False
 
 
-def _first_marker(text: str, markers: tuple[str, ...]) -> int | None:
+def first_marker(text: str, markers: tuple[str, ...]) -> int | None:
     found = [i for i in (text.find(m) for m in markers) if i >= 0]
     return min(found) if found else None
 
 
-def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
+def partial_marker(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a marker."""
     return max((n for m in markers for n in range(1, min(len(m), len(text) + 1)) if text.endswith(m[:n])),
                default=0)

@@ -1,0 +1,230 @@
+"""A reasoning model's thinking, read out of its output as it arrives: it goes to the message's
+`reasoning_content` (and `reasoning`, vLLM's newer name), the answer to `content`.
+
+Two formats:
+- `think`: a `<think>…</think>` block at the start of the output (Qwen3, DeepSeek-R1 and V3.1,
+  GLM-4.5, MiniMax-M2, ...). Templates of thinking models often open the block in the prompt, so
+  that the output begins inside it.
+- `harmony` (GPT-OSS): a run of channel messages, `<|channel|>NAME<|message|>BODY<|end|>`. The
+  `analysis` channel is reasoning; `final` and preambles are the answer; a message to a function is
+  a tool call, passed on whole to the tool-call parser (`server.tool_parsers.harmony`).
+
+`OutputReader` chains the reasoning reader and the tool-call reader of one response.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from engine.api import ChatTemplateInfo, SamplingParams
+from server.tool_parsers import Piece, ToolCallStream
+from server.tool_parsers.stream import first_marker, partial_marker
+
+REASONING_PARSERS = ("auto", "none", "think", "harmony")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MESSAGE = "<|message|>"
+HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
+PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
+_HARMONY_RECIPIENT = re.compile(r"\bto=functions\.")
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+Part = str | Reasoning  # answer text (which may hold tool-call markup), or reasoning
+
+
+def detect_reasoning(info: ChatTemplateInfo) -> str | None:
+    """The reasoning format of a model, from its template's text (else its model type); None: none."""
+    if "<|channel|>" in info.source or info.model_type == "gpt_oss":
+        return "harmony"
+    if THINK_OPEN in info.source or THINK_CLOSE in info.source:
+        return "think"
+    return None
+
+
+class ThinkStream:
+    def __init__(self, opened_in_prompt: bool) -> None:
+        self._state = "reasoning-start" if opened_in_prompt else "start"
+        self._buffer = ""
+
+    def feed(self, text: str) -> list[Part]:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Part]:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> list[Part]:
+        out: list[Part] = []
+        if self._state == "start":
+            head = self._buffer.lstrip()
+            if head.startswith(THINK_OPEN):
+                self._buffer, self._state = head[len(THINK_OPEN):], "reasoning-start"
+            elif THINK_OPEN.startswith(head) and not final:
+                return out  # blanks, or the start of `<think>`: not decided yet
+            else:
+                self._state = "answer"
+        if self._state == "reasoning-start":  # the blank line after `<think>` is layout, not thought
+            self._buffer = self._buffer.lstrip()
+            if self._buffer:
+                self._state = "reasoning"
+        if self._state == "reasoning":
+            end = self._buffer.find(THINK_CLOSE)
+            if end < 0:
+                keep = 0 if final else partial_marker(self._buffer, (THINK_CLOSE,))
+                ready = self._buffer[: len(self._buffer) - keep].rstrip()  # blanks before `</think>` are layout
+                _add_reasoning(out, ready)
+                self._buffer = self._buffer[len(ready):]
+                return out
+            _add_reasoning(out, self._buffer[:end].rstrip())
+            self._buffer, self._state = self._buffer[end + len(THINK_CLOSE):], "answer-start"
+        if self._state == "answer-start":  # so are the blanks between `</think>` and the answer
+            self._buffer = self._buffer.lstrip()
+            if self._buffer:
+                self._state = "answer"
+        if self._state == "answer" and self._buffer:
+            out.append(self._buffer)
+            self._buffer = ""
+        return out
+
+
+class HarmonyStream:
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._kind: str | None = None  # in a message body: "reasoning", "answer" or "call"; None: in a header
+        self._call = ""  # the tool-call message read so far, header included
+
+    def feed(self, text: str) -> list[Part]:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Part]:
+        out = self._drain(final=True)
+        if self._call:  # ended without a terminator (`<|call|>` is a stop token)
+            out.append(self._call)
+            self._call = ""
+        return out
+
+    def _drain(self, final: bool) -> list[Part]:
+        out: list[Part] = []
+        while self._buffer:
+            if self._kind is None and not self._read_header(final):
+                return out
+            at = first_marker(self._buffer, HARMONY_TERMINATORS)
+            if at is None:
+                keep = 0 if final else partial_marker(self._buffer, HARMONY_TERMINATORS)
+                self._body(out, self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return out
+            terminator = next(t for t in HARMONY_TERMINATORS if self._buffer.startswith(t, at))
+            self._body(out, self._buffer[:at])
+            if self._kind == "call":
+                out.append(self._call + terminator)
+                self._call = ""
+            self._buffer, self._kind = self._buffer[at + len(terminator):], None
+        return out
+
+    def _read_header(self, final: bool) -> bool:
+        """Reads a message's header off the buffer; False: not whole yet."""
+        head = self._buffer.lstrip()
+        if head and not head.startswith("<|"[: len(head)]):  # text without a header: take it as the answer
+            self._kind = "answer"
+            return True
+        at = self._buffer.find(MESSAGE)
+        if at < 0:
+            if final:
+                self._buffer = ""  # a header with no message: nothing to show
+            return False
+        header = self._buffer[:at]
+        channel = _HARMONY_CHANNEL.search(header)
+        if _HARMONY_RECIPIENT.search(header):
+            self._kind, self._call = "call", header + MESSAGE
+        elif channel is not None and channel.group(1) == "analysis":
+            self._kind = "reasoning"
+        else:
+            self._kind = "answer"
+        self._buffer = self._buffer[at + len(MESSAGE):]
+        return True
+
+    def _body(self, out: list[Part], text: str) -> None:
+        if self._kind == "call":
+            self._call += text
+        elif self._kind == "reasoning":
+            _add_reasoning(out, text)
+        elif text:
+            out.append(text)
+
+
+class OutputReader:
+    """Generated text → reasoning, answer text and tool calls, as it arrives (and the same at once
+    for a finished output, so streamed and whole responses agree)."""
+
+    def __init__(self, reasoning: ThinkStream | HarmonyStream | None, calls: ToolCallStream | None) -> None:
+        self.reasoning, self.calls = reasoning, calls
+
+    def feed(self, text: str) -> list[Piece | Reasoning]:
+        return self._route(self.reasoning.feed(text) if self.reasoning else [text])
+
+    def finish(self) -> list[Piece | Reasoning]:
+        out = self._route(self.reasoning.finish() if self.reasoning else [])
+        return out + (self.calls.finish() if self.calls else [])
+
+    @property
+    def tool_calls(self) -> list:
+        return self.calls.calls if self.calls else []
+
+    def _route(self, parts: list[Part]) -> list[Piece | Reasoning]:
+        out: list[Piece | Reasoning] = []
+        for part in parts:
+            if isinstance(part, Reasoning):
+                out.append(part)
+            elif self.calls is not None:
+                out += self.calls.feed(part)
+            elif part:
+                out.append(part)
+        return out
+
+
+def _add_reasoning(out: list[Part], text: str) -> None:
+    if text:
+        out.append(Reasoning(text))
+
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """How one response's output is read for reasoning."""
+
+    format: str | None = None  # "think" or "harmony"; None: the output is the answer as written
+    opened_in_prompt: bool = False  # think: the template opened the block, the output starts inside it
+    needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
+
+    def stream(self) -> ThinkStream | HarmonyStream | None:
+        if self.format == "think":
+            return ThinkStream(self.opened_in_prompt)
+        if self.format == "harmony":
+            return HarmonyStream()
+        return None
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        return replace(params, skip_special_tokens=False) if self.needs_special_tokens else params
+
+
+def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: list[int]) -> ReasoningPlan:
+    """`parser_name`: from `REASONING_PARSERS`; `prompt`: the rendered prompt's token ids."""
+    name = detect_reasoning(engine.chat_template_info) if parser_name == "auto" else parser_name
+    if name == "harmony":
+        return ReasoningPlan("harmony", needs_special_tokens=True)
+    if name != "think" or params.grammar is not None:  # under a grammar the output is what it allows
+        return ReasoningPlan()
+    from engine.constraint import added_token_ids  # imports torch: not at `moe-serve --help`
+
+    tail = engine.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    think = added_token_ids(engine.tokenizer).get(THINK_OPEN)
+    return ReasoningPlan("think", opened_in_prompt=tail.rstrip().endswith(THINK_OPEN),
+                         needs_special_tokens=think is not None and engine.decode([think]) == "")

@@ -1,0 +1,142 @@
+"""Reasoning read out of recorded outputs (`<think>` blocks, GPT-OSS channels), whole and piece by
+piece: the pieces add up to the same reasoning, content and calls, and nothing shown as one kind
+later turns out to be another."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.api import ChatTemplateInfo, SamplingParams
+from server.reasoning import (
+    HarmonyStream,
+    OutputReader,
+    Reasoning,
+    ThinkStream,
+    detect_reasoning,
+    plan_reasoning,
+)
+from server.tool_parsers import PARSERS, ToolCall, ToolCallStream
+from tests.test_tool_parsers import NAMES, TOOLS, splits
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather. Easy.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny."
+HARMONY_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                '{"city": "Tokyo"}')
+
+# (format, opened in the prompt, tool-call parser, recorded output, reasoning, content, calls)
+CASES = [
+    ("think", False, None, "<think>\nAdd two and two.\n</think>\n\nIt is 4.", "Add two and two.", "It is 4.", []),
+    ("think", True, None, "Add two and two.\n</think>\n\nIt is 4.", "Add two and two.", "It is 4.", []),
+    ("think", True, None, "\n\nAdd.</think>4", "Add.", "4", []),
+    ("think", False, None, "It is 4.", "", "It is 4.", []),
+    ("think", False, None, "\n<think>Add.</think>It is 4.", "Add.", "It is 4.", []),
+    ("think", False, None, "Use the <think> tag. </think>", "", "Use the <think> tag. </think>", []),
+    ("think", False, None, "<think>\nStill thinking when max_tokens ran out", "Still thinking when max_tokens ran out",
+     "", []),
+    ("think", False, None, "<think></think>\n\nNo thought needed.", "", "No thought needed.", []),
+    ("think", False, None, "<thin", "", "<thin", []),
+    ("think", False, "hermes", f"<think>I need the weather.</think>\n\n{CALL}", "I need the weather.", "",
+     [("get_weather", {"city": "Paris"})]),
+    ("think", False, "hermes", f"<think>Maybe {CALL} later.</think>Done.", f"Maybe {CALL} later.", "Done.", []),
+    ("harmony", False, None, ANALYSIS + FINAL + "<|return|>", "The user wants the weather. Easy.", "It is sunny.", []),
+    ("harmony", False, None, ANALYSIS + FINAL, "The user wants the weather. Easy.", "It is sunny.", []),
+    ("harmony", False, None, "<|channel|>final<|message|>Hi.<|return|>", "", "Hi.", []),
+    ("harmony", False, None, "<|channel|>commentary<|message|>Checking.<|end|>" + FINAL, "", "Checking.It is sunny.",
+     []),
+    ("harmony", False, None, "Plain text, no channels.", "", "Plain text, no channels.", []),
+    ("harmony", False, "harmony", ANALYSIS + HARMONY_CALL + "<|call|>", "The user wants the weather. Easy.", "",
+     [("get_weather", {"city": "Tokyo"})]),
+    ("harmony", False, "harmony", ANALYSIS + HARMONY_CALL, "The user wants the weather. Easy.", "",
+     [("get_weather", {"city": "Tokyo"})]),
+    ("harmony", False, "harmony", ANALYSIS + FINAL, "The user wants the weather. Easy.", "It is sunny.", []),
+]
+
+
+def reader(fmt: str, opened: bool, parser: str | None) -> OutputReader:
+    reasoning = ThinkStream(opened) if fmt == "think" else HarmonyStream()
+    calls = ToolCallStream(PARSERS[parser](TOOLS), NAMES) if parser else None
+    return OutputReader(reasoning, calls)
+
+
+def summary(out: list) -> tuple[str, str, list]:
+    thought = "".join(p.text for p in out if isinstance(p, Reasoning))
+    content = "".join(p for p in out if isinstance(p, str))
+    calls = [(p.name, json.loads(p.arguments)) for p in out if isinstance(p, ToolCall)]
+    return thought, content, calls
+
+
+@pytest.mark.parametrize("fmt, opened, parser, text, thought, content, calls", CASES)
+def test_recorded_output_read_whole_and_piece_by_piece(fmt, opened, parser, text, thought, content, calls):
+    for pieces in splits(text):
+        r = reader(fmt, opened, parser)
+        out = [p for piece in pieces for p in r.feed(piece)] + r.finish()
+        assert summary(out) == (thought, content, calls), pieces[:3]
+
+
+@pytest.mark.parametrize("fmt, opened, parser, text, thought, content, calls", CASES)
+def test_nothing_shown_as_one_kind_turns_out_to_be_another(fmt, opened, parser, text, thought, content, calls):
+    r = reader(fmt, opened, parser)
+    shown_thought = shown_content = ""
+    for char in text:
+        pieces = r.feed(char)
+        shown_thought += "".join(p.text for p in pieces if isinstance(p, Reasoning))
+        shown_content += "".join(p for p in pieces if isinstance(p, str))
+        assert thought.startswith(shown_thought) and content.startswith(shown_content)
+
+
+def test_reasoning_streams_as_it_is_written_not_at_its_end():
+    r = reader("think", False, None)
+    shown = [p.text for chunk in ("<think>", "Add ", "two", " and two.", "\n</think>") for p in r.feed(chunk)]
+    assert shown == ["Add", " two", " and two."]  # a trailing blank waits for the next word
+    r = reader("harmony", False, None)
+    shown = [p.text for chunk in ("<|channel|>analysis<|message|>", "Add ", "two.") for p in r.feed(chunk)]
+    assert shown == ["Add ", "two."]
+
+
+THINK_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %}{{ content.split('</think>')[-1] }}"
+
+
+@pytest.mark.parametrize("source, model_type, expected", [
+    (THINK_TEMPLATE, "qwen3_moe", "think"),
+    ("{{ '<|start|>assistant<|channel|>final<|message|>' }}", "gpt_oss", "harmony"),
+    ("", "gpt_oss", "harmony"),
+    ("{{ '<|im_start|>assistant\n' }}", "qwen2_moe", None),
+])
+def test_the_format_is_detected_from_the_template_else_the_model_type(source, model_type, expected):
+    assert detect_reasoning(ChatTemplateInfo(True, source, model_type)) == expected
+
+
+class TailEngine:
+    """What `plan_reasoning` asks of the engine: the template, decoding, the tokenizer's added tokens."""
+
+    def __init__(self, source: str, prompt_text: str, think_special: bool = False) -> None:
+        self.chat_template_info = ChatTemplateInfo(False, source, "qwen3_moe")
+        self.prompt_text, self.think_special = prompt_text, think_special
+        self.tokenizer = type("Tokenizer", (), {"added_tokens_decoder": {7: type("T", (), {"content": "<think>"})}})()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if ids == [7]:
+            return "" if self.think_special and skip_special_tokens else "<think>"
+        return self.prompt_text
+
+
+@pytest.mark.parametrize("prompt_text, opened", [("<|im_start|>assistant\n<think>\n", True),
+                                                 ("<|im_start|>assistant\n", False),
+                                                 ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False)])
+def test_a_block_opened_by_the_template_is_seen_in_the_prompt(prompt_text, opened):
+    plan = plan_reasoning("auto", TailEngine(THINK_TEMPLATE, prompt_text), SamplingParams(), [1, 2, 3])
+    assert (plan.format, plan.opened_in_prompt, plan.needs_special_tokens) == ("think", opened, False)
+    assert plan.sampling_params(SamplingParams()).skip_special_tokens
+
+
+def test_a_special_think_token_is_kept_in_the_text_and_a_grammar_turns_reading_off():
+    engine = TailEngine(THINK_TEMPLATE, "assistant\n", think_special=True)
+    plan = plan_reasoning("auto", engine, SamplingParams(), [1])
+    assert plan.needs_special_tokens and not plan.sampling_params(SamplingParams()).skip_special_tokens
+    assert plan_reasoning("auto", engine, SamplingParams(grammar='start: "x"'), [1]).format is None
+    assert plan_reasoning("none", engine, SamplingParams(), [1]).format is None
+    harmony = plan_reasoning("harmony", engine, SamplingParams(), [1])
+    assert harmony.format == "harmony" and harmony.needs_special_tokens
