@@ -140,3 +140,68 @@ def test_a_special_think_token_is_kept_in_the_text_and_a_grammar_turns_reading_o
     assert plan_reasoning("none", engine, SamplingParams(), [1]).format is None
     harmony = plan_reasoning("harmony", engine, SamplingParams(), [1])
     assert harmony.format == "harmony" and harmony.needs_special_tokens
+
+
+# -- a real server on a tiny Qwen3-style thinking model ------------------------------------------
+ASK = [{"role": "user", "content": "What is two plus two?"}]
+GREEDY = {"max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from server.testing import RemoteServer
+    from tests.fixtures.models import build_checkpoint
+
+    folder = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3-thinking"), tokenizer="qwen3_thinking")
+    with RemoteServer(["--model", str(folder), "--device", "cpu"], env={"OMP_NUM_THREADS": "1"}) as server:
+        yield server
+
+
+def completion_text(server, prompt: str) -> str:
+    """The same greedy tokens, read raw through /v1/completions."""
+    client = server.openai()
+    return client.completions.create(model=client.models.list().data[0].id, prompt=prompt, **GREEDY,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_thinking_opened_by_the_template_comes_back_as_reasoning(thinking_server):
+    client = thinking_server.openai()
+    model = client.models.list().data[0].id
+    raw = completion_text(thinking_server, "<|im_start|>user\nWhat is two plus two?<|im_end|>\n"
+                                           "<|im_start|>assistant\n<think>\n")
+    before, closed, after = raw.partition("</think>")
+    expected = (before.strip(), after.lstrip() if closed else "")
+
+    message = client.chat.completions.create(model=model, messages=ASK, **GREEDY,
+                                             extra_body={"ignore_eos": True}).choices[0].message
+    assert (message.reasoning_content, message.content) == expected and message.reasoning == expected[0]
+    assert expected[0]  # the tiny model wrote something to read
+
+    thought = content = ""
+    for chunk in client.chat.completions.create(model=model, messages=ASK, **GREEDY, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        thought += getattr(delta, "reasoning_content", None) or ""
+        content += (delta.content or "") if delta else ""
+    assert (thought, content) == expected
+
+
+def test_enable_thinking_false_reaches_the_template_and_the_answer_is_content(thinking_server):
+    client = thinking_server.openai()
+    model = client.models.list().data[0].id
+    raw = completion_text(thinking_server, "<|im_start|>user\nWhat is two plus two?<|im_end|>\n"
+                                           "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not raw.lstrip().startswith("<think>")
+    message = client.chat.completions.create(model=model, messages=ASK, **GREEDY, extra_body={
+        "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert message.content == raw and "reasoning_content" not in (message.model_extra or {})
+
+
+def test_chat_template_kwargs_cannot_override_what_the_server_sets(thinking_server):
+    import httpx
+
+    response = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=30, json={
+        "messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and "add_generation_prompt" in error["message"]
