@@ -110,7 +110,8 @@ def load_offloaded_model(
 
     quant_layout, sources = _expert_files(folder, expert_sources, moe_layers, dtype, device, quant, fmt)
     host = _build_host_store(sources, quant_layout or layout, torch.uint8 if quant_layout else dtype, device, sizing)
-    cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers))
+    cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers),
+                          dense_bytes=_dense_bytes(model, moe_layers, dtype))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
     slots = cache.backend.slots
     offloaded = [OffloadedExperts(i, layer, runtime, slots, quant_layout) for i, layer in enumerate(moe_layers)]
@@ -134,11 +135,13 @@ def load_offloaded_model(
     )
 
 
-def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int) -> ExpertCache:
-    """On CPU the cache's slots are the RAM tier (experts computed in place); else device slots."""
+def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int,
+                  dense_bytes: int = 0) -> ExpertCache:
+    """On CPU the cache's slots are the RAM tier (experts computed in place); else device slots.
+    `dense_bytes`: what the dense weights will take on the device; they are loaded after the cache."""
     total, stats = len(host.sources), CacheStats(num_layers)
     if device.type != "cpu":
-        capacity = _device_capacity(sizing, host, device, total)
+        capacity = _device_capacity(sizing, host, device, total, dense_bytes)
         return ExpertCache(capacity, policy, stats, SlotBackend(host, capacity, device))
     capacity = _cpu_capacity(sizing, host.bytes_per_expert, total)
     cache = ExpertCache(capacity, policy, stats, InPlaceBackend(host, capacity))
@@ -267,19 +270,30 @@ def _experts_in(gib: float | None, bytes_per_expert: int) -> int | None:
     return None if gib is None else int(gib * GIB // bytes_per_expert)
 
 
-def _device_capacity(sizing: CacheSizing, host: HostStore, device: torch.device, total: int) -> int:
+def _device_capacity(sizing: CacheSizing, host: HostStore, device: torch.device, total: int,
+                     dense_bytes: int = 0) -> int:
     if sizing.device_experts is not None:
         wanted = sizing.device_experts
     elif sizing.device_gb is not None:
         wanted = _experts_in(sizing.device_gb, host.bytes_per_expert)
-    else:
+    else:  # the free memory, less the dense weights still to come and the headroom
         free, _ = torch.cuda.mem_get_info(device)
-        wanted = int(max(0, free - CUDA_HEADROOM_BYTES) // host.bytes_per_expert)
+        wanted = int(max(0, free - dense_bytes - CUDA_HEADROOM_BYTES) // host.bytes_per_expert)
+        log.info("device expert cache: %.1f GiB free, %.1f GiB for the dense weights, %.1f GiB headroom: %d experts",
+                 free / GIB, dense_bytes / GIB, CUDA_HEADROOM_BYTES / GIB, min(wanted, total))
     if wanted < 1:
         raise ValueError(
             f"the device expert cache must hold at least one expert ({host.bytes_per_expert / GIB:.3f} GiB)"
         )
     return min(wanted, total)
+
+
+def _dense_bytes(model: nn.Module, moe_layers: list[MoELayer], dtype: torch.dtype) -> int:
+    """Bytes of every parameter and buffer but the experts' once on the device (the model is still on meta)."""
+    experts = {id(t) for layer in moe_layers for t in (*layer.experts.parameters(), *layer.experts.buffers())}
+    params = sum(t.numel() * (4 if _keeps_fp32(model, name) else dtype.itemsize)
+                 for name, t in model.named_parameters() if id(t) not in experts)
+    return params + sum(t.numel() * t.element_size() for t in model.buffers() if id(t) not in experts)
 
 
 def _keeps_fp32(model: nn.Module, name: str) -> bool:
