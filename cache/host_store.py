@@ -84,6 +84,46 @@ class ExpertLayout:
         return views
 
 
+class BufferArena:
+    """Equal expert buffers cut out of large slabs of `2^k` bytes, and reused once released.
+
+    torch's pinned allocator rounds every allocation up to a power of two, so one pinned buffer per
+    expert costs +52% for a Mixtral expert (352 MB → 512 MiB) and +94% for a DeepSeek-V2-Lite one.
+    A slab of `2^k` bytes is not rounded; the waste is its tail, less than one buffer.
+    """
+
+    MIN_SLAB_BYTES = 256 * 2**20
+    BUFFERS_PER_SLAB = 4  # at least
+    ALIGN = 64  # bytes between buffers: what vector loads of the host kernels want
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin_memory: bool, expected_buffers: int | None = None) -> None:
+        """`expected_buffers`: how many the owner keeps at most (a small store gets a small slab)."""
+        self.numel, self.dtype, self.pin_memory = numel, dtype, pin_memory
+        self.stride = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        wanted = max(self.MIN_SLAB_BYTES, self.BUFFERS_PER_SLAB * self.stride)
+        if expected_buffers is not None:
+            wanted = min(wanted, max(1, expected_buffers) * self.stride)
+        self.slab_bytes = 1 << (wanted - 1).bit_length()
+        self.per_slab = self.slab_bytes // self.stride
+        self.slabs: list[torch.Tensor] = []
+        self._next = self.per_slab  # the next unused buffer of the last slab
+        self._released: list[torch.Tensor] = []
+
+    def new(self) -> torch.Tensor:
+        """A buffer of `[numel]` elements: a released one, else the next one of the last slab."""
+        if self._released:
+            return self._released.pop()
+        if self._next == self.per_slab:
+            self.slabs.append(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin_memory))
+            self._next = 0
+        start = self._next * self.stride
+        self._next += 1
+        return self.slabs[-1][start: start + self.numel * self.dtype.itemsize].view(self.dtype)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self._released.append(buffer)
+
+
 class HostStore:
     """(layer, expert) → flat host buffer, with at most `capacity` buffers in RAM.
 
@@ -111,6 +151,7 @@ class HostStore:
         self._in_flight: dict[int, object] = {}  # id(buffer) → event of the last copy out of it
         self._held: dict[int, int] = {}  # id(buffer) → holders (see `hold`)
         self._lock = threading.RLock()
+        self._arena = BufferArena(layout.numel, dtype, pin_memory, self.capacity) if pin_memory else None
 
     @property
     def fully_resident(self) -> bool:
@@ -170,13 +211,15 @@ class HostStore:
         """
         victim = self._recyclable()
         if len(self._resident) < self.capacity or victim is None:
-            return torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=self.pin_memory)
+            return self._arena.new() if self._arena else torch.empty(self.layout.numel, dtype=self.dtype)
         return self._take(victim)
 
     def _trim(self, keep: ExpertKey) -> None:
         """Back to the budget, dropping neither held buffers nor `keep` (just read, about to be used)."""
         while len(self._resident) > self.capacity and (victim := self._recyclable(keep)) is not None:
-            self._take(victim)
+            buffer = self._take(victim)
+            if self._arena:
+                self._arena.release(buffer)
 
     def _recyclable(self, keep: ExpertKey | None = None) -> ExpertKey | None:
         return next(

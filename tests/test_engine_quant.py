@@ -137,7 +137,7 @@ def test_quantized_experts_computed_on_the_host_give_the_tokens_of_the_slots(gpt
     prompt_ids = in_slots.encode(PROMPT)
     want = greedy(in_slots, prompt_ids)
 
-    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers):
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0):
         return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
 
     monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
