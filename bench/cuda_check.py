@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
+from bench.engine_bench import run_tpot
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -136,17 +139,28 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        report["streams"] = check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams"))
-        report["equivalence"] = check_equivalence(tmp)
-        report["quantized"] = check_quantized(tmp)
-        report["host_executor"] = check_host_executor(tmp)
-    from bench.engine_bench import run_tpot
+        sections = {
+            "streams": lambda: check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams")),
+            "equivalence": lambda: check_equivalence(tmp),
+            "quantized": lambda: check_quantized(tmp),
+            "host_executor": lambda: check_host_executor(tmp),
+            "tpot": lambda: run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3)),
+        }
+        for name, run in sections.items():  # each result kept as it comes: a timeout loses only the rest
+            try:
+                report[name] = run()
+            except Exception as e:
+                traceback.print_exc()
+                report[name] = {"error": f"{type(e).__name__}: {e}"}
+            _write(report, args.out)
+    print(json.dumps(report, indent=2))
+    if any(isinstance(v, dict) and "error" in v for v in report.values()):
+        sys.exit(1)
 
-    report["tpot"] = run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+
+def _write(report: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -115,13 +115,14 @@ class SlotBackend:
         Copies into a scratch buffer of one expert, never into a slot (which may hold an expert).
         """
         scratch = torch.empty_like(self.slots[0])
+        stream = torch.cuda.current_stream(self.device)  # where the copy runs (not device 0's, on cuda:N)
         with self.host.hold(key) as src:
             times = []
             for _ in range(repeats):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                start.record(stream)
                 scratch.copy_(src, non_blocking=True)
-                end.record()
+                end.record(stream)
                 end.synchronize()
                 times.append(start.elapsed_time(end))
         return sorted(times)[len(times) // 2]
