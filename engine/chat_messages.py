@@ -43,6 +43,9 @@ def with_system_text(messages: list[dict], text: str) -> list[dict]:
     return [{"role": "system", "content": text}, *messages]
 
 
+THOUGHT_KEYS = ("reasoning_content", "thinking")  # an assistant turn's thinking, as Qwen3's and GPT-OSS's templates name it
+
+
 def prepare_messages(messages: list[dict], tool_template: bool) -> list[dict]:
     """Checked, normalised messages; for a template without tools, tool turns become plain text."""
     normalised = [_normalise(m, i) for i, m in enumerate(messages)]
@@ -61,6 +64,9 @@ def _normalise(message: dict, index: int) -> dict:
     out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
     if tool_calls:
         out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
+    thought = message.get("reasoning_content")
+    if role == "assistant" and isinstance(thought, str) and thought:
+        out.update(dict.fromkeys(THOUGHT_KEYS, thought))
     if role == "tool":
         out["tool_call_id"] = str(message.get("tool_call_id") or "")
         if message.get("name"):
@@ -115,7 +121,7 @@ def _as_plain_chat(messages: list[dict]) -> list[dict]:
         if role == "user" and merge_next:
             out[-1]["content"] += "\n\n" + content
         else:
-            out.append({"role": role, "content": content})
+            out.append({**{k: v for k, v in message.items() if k in THOUGHT_KEYS}, "role": role, "content": content})
         merge_next = message["role"] == "tool" or (merge_next and role == "user")
     return out
 

@@ -272,6 +272,8 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, as this server returned it
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     def to_engine(self) -> dict[str, Any]:
         content = self.content
@@ -280,6 +282,8 @@ class ChatMessage(OpenAIBaseModel):
         message = {"role": self.role, "content": "" if content is None else content}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.role == "assistant" and (self.reasoning_content or self.reasoning):
+            message["reasoning_content"] = self.reasoning_content or self.reasoning
         if self.role == "tool":
             message.update(tool_call_id=self.tool_call_id, name=self.name)
         return message
@@ -297,6 +301,13 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    reasoning_effort: str | None = None  # "low", "medium", "high": a template variable (GPT-OSS reads it)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's extra variables: `chat_template_kwargs`, and `reasoning_effort` unless they set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [

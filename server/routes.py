@@ -55,7 +55,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
     params = with_response_format(plan.sampling_params(params), body.response_format)
     # the model's own template, never the request's; off the event loop, like all tokenizing
     prompt = await run_in_threadpool(engine.apply_chat_template, plan.messages(body.engine_messages()), plan.tools,
-                                     body.chat_template_kwargs)
+                                     body.template_kwargs())
     reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt)
     params = reasoning.sampling_params(params)
     fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan,

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from engine.api import ChatTemplateInfo, SamplingParams
+from engine.chat_messages import prepare_messages
 from server.reasoning import (
     HarmonyStream,
     OutputReader,
@@ -18,6 +20,7 @@ from server.reasoning import (
     plan_reasoning,
 )
 from server.tool_parsers import PARSERS, ToolCall, ToolCallStream
+from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
 from tests.test_tool_parsers import NAMES, TOOLS, splits
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -205,3 +208,34 @@ def test_chat_template_kwargs_cannot_override_what_the_server_sets(thinking_serv
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "chat_template_kwargs" and "add_generation_prompt" in error["message"]
+
+
+# -- what reaches the template ------------------------------------------------------------------
+class TemplateRecorder(ScriptedEngine):
+    """Records what the chat template is given; answers as the fault tests' scripted engine."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=False)
+        self.messages: list[dict] = []
+        self.template_kwargs: dict | None = None
+
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
+        self.messages, self.template_kwargs = prepare_messages(messages, tool_template=False), template_kwargs
+        return [1, 2, 3]
+
+
+def test_past_thinking_and_reasoning_effort_reach_the_template():
+    engine = TemplateRecorder()
+    with InProcessServer(lambda: engine) as srv:
+        wait_for_health(srv.url, 200)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        history = [{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4.", "reasoning_content": "Two and two make four."},
+                   {"role": "user", "content": "And 3+3?"}]
+        client.chat.completions.create(model="scripted", messages=history, reasoning_effort="high")
+        assert engine.template_kwargs == {"reasoning_effort": "high"}
+        assert engine.messages[1] == {"role": "assistant", "content": "4.", "reasoning_content": "Two and two make four.",
+                                      "thinking": "Two and two make four."}  # Qwen3's name and GPT-OSS's
+        client.chat.completions.create(model="scripted", messages=history[:1], reasoning_effort="low",
+                                       extra_body={"chat_template_kwargs": {"reasoning_effort": "medium", "x": 1}})
+        assert engine.template_kwargs == {"reasoning_effort": "medium", "x": 1}  # the explicit variable wins
