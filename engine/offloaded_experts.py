@@ -76,12 +76,13 @@ class OffloadedExperts:
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index, hidden)
         out = torch.zeros_like(hidden)  # [T, H]
+        by_expert = tokens_by_expert(rows, hidden.device) if len(rows) > 1 else {}
 
         def compute(turn: Sequence[int], slots: Sequence[int]) -> None:
             if len(rows) == 1:
                 self._decode(hidden, rows[0], top_k_weights, dict(zip(turn, slots)), out)
             else:
-                self._prefill(hidden, top_k_index, top_k_weights, turn, slots, out)
+                self._prefill(hidden, by_expert, top_k_weights, turn, slots, out)
 
         on_host = self._on_host(hidden, rows[0], top_k_weights, out) if len(rows) == 1 and self.host_capable else None
         self.runtime.run_step(self.moe_layer, needed, hidden, compute, on_host)
@@ -181,7 +182,7 @@ class OffloadedExperts:
     def _prefill(
         self,
         hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
+        by_expert: dict[int, tuple[torch.Tensor, torch.Tensor]],
         weights: torch.Tensor,
         turn: Sequence[int],
         slots: Sequence[int],
@@ -189,7 +190,7 @@ class OffloadedExperts:
     ) -> None:
         """Many tokens: expert by expert in ascending order, as transformers' eager path adds them."""
         for expert, slot in zip(turn, slots):
-            token_idx, k_pos = torch.where(top_k_index == expert)
+            token_idx, k_pos = by_expert[expert]
             y = self._experts(hidden[token_idx].unsqueeze(0), self._slot_params(slot))[0]  # [t, H]
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
 
@@ -227,3 +228,19 @@ def _linear(
         y = torch.matmul(x, weight if transposed else weight.transpose(-1, -2))
     return y if bias is None else y + bias.unsqueeze(-2)
 
+
+def tokens_by_expert(rows: list[list[int]], device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each routed expert's (token indices, k positions) on `device`, tokens ascending: what
+    `torch.where(top_k_index == expert)` gives, from the host rows, with one copy to the device
+    for the layer instead of a device sync per expert."""
+    flat = torch.tensor(rows, dtype=torch.int64).flatten()  # [T * k]
+    order = torch.argsort(flat, stable=True)  # positions grouped by expert, ascending within each
+    counts = torch.bincount(flat).tolist()
+    order = order.to(device, non_blocking=True)
+    k, start, out = len(rows[0]), 0, {}
+    for expert, n in enumerate(counts):
+        if n:
+            positions = order[start : start + n]
+            out[expert] = (positions // k, positions % k)
+        start += n
+    return out
