@@ -72,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
     grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
+    grammar_after: int | None = None  # ... or the completion after this token (a thinking model's `</think>`)
 
     def __post_init__(self) -> None:
         checks = [

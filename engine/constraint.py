@@ -56,9 +56,12 @@ class GrammarTokenizer:
 
 
 class GrammarConstraint:
-    """One request's grammar state: the allowed tokens now, advanced by each chosen token."""
+    """One request's grammar state: the allowed tokens now, advanced by each chosen token.
+    With `after_token`, the grammar holds only from the token after it (a thinking model thinks freely,
+    then answers under the grammar); until then every token is allowed."""
 
-    def __init__(self, tokenizer: GrammarTokenizer, grammar: str, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, tokenizer: GrammarTokenizer, grammar: str, vocab_size: int, device: torch.device,
+                 after_token: int | None = None) -> None:
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(tokenizer.get(), LLMatcher.grammar_from_lark(grammar))
@@ -66,6 +69,8 @@ class GrammarConstraint:
             raise InvalidRequestError(f"the output grammar cannot be used: {self.matcher.get_error()}",
                                       param="grammar")
         self.vocab_size, self.device = vocab_size, device
+        self.after_token = after_token
+        self.active = after_token is None
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
@@ -74,5 +79,8 @@ class GrammarConstraint:
         return torch.from_numpy(allowed).to(self.device, torch.bool)
 
     def advance(self, token_id: int) -> None:
+        if not self.active:
+            self.active = token_id == self.after_token
+            return
         if not self.matcher.consume_token(token_id):
             raise RuntimeError(f"token {token_id} broke the grammar: {self.matcher.get_error()}")

@@ -239,6 +239,8 @@ class Engine:
             )
         if params.grammar is not None:
             check_grammar(params.grammar)
+        if params.grammar_after is not None and not 0 <= params.grammar_after < self.vocab_size:
+            raise InvalidRequestError(f"grammar_after must be a token id in [0, {self.vocab_size})", param="grammar")
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
@@ -253,7 +255,8 @@ class Engine:
         max_tokens = params.max_tokens or min(self.max_new_tokens or room, room)
         constraint = None
         if params.grammar is not None:
-            constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device)
+            constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device,
+                                           params.grammar_after)
         sampler = Sampler(params, prompt, self.vocab_size, self.device, constraint)
         detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens))
         stops = StopStringMatcher(params.stop)

@@ -72,7 +72,7 @@ class Sampler:
         if p.frequency_penalty or p.presence_penalty:
             scores = scores - p.frequency_penalty * self.output_counts
             scores = scores - p.presence_penalty * (self.output_counts > 0).float()
-        if self.constraint is not None:
+        if self.constraint is not None and self.constraint.active:
             scores = scores.masked_fill(~self.constraint.allowed(), float("-inf"))
         return scores
 

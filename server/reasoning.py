@@ -203,6 +203,7 @@ class ReasoningPlan:
     format: str | None = None  # "think" or "harmony"; None: the output is the answer as written
     opened_in_prompt: bool = False  # think: the template opened the block, the output starts inside it
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
+    grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
 
     def stream(self) -> ThinkStream | HarmonyStream | None:
         if self.format == "think":
@@ -212,19 +213,31 @@ class ReasoningPlan:
         return None
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
-        return replace(params, skip_special_tokens=False) if self.needs_special_tokens else params
+        if self.needs_special_tokens:
+            params = replace(params, skip_special_tokens=False)
+        return replace(params, grammar_after=self.grammar_after) if self.grammar_after is not None else params
 
 
 def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: list[int]) -> ReasoningPlan:
-    """`parser_name`: from `REASONING_PARSERS`; `prompt`: the rendered prompt's token ids."""
+    """`parser_name`: from `REASONING_PARSERS`; `prompt`: the rendered prompt's token ids.
+
+    Under a grammar (JSON output, a forced tool call) a thinking model whose template opened the
+    block thinks freely and answers under the grammar after its `</think>`; where the prompt did not
+    open one, the grammar holds from the first token and the output is not read for thinking."""
     name = detect_reasoning(engine.chat_template_info) if parser_name == "auto" else parser_name
     if name == "harmony":
         return ReasoningPlan("harmony", needs_special_tokens=True)
-    if name != "think" or params.grammar is not None:  # under a grammar the output is what it allows
+    if name != "think":
         return ReasoningPlan()
     from engine.constraint import added_token_ids  # imports torch: not at `moe-serve --help`
 
     tail = engine.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    think = added_token_ids(engine.tokenizer).get(THINK_OPEN)
-    return ReasoningPlan("think", opened_in_prompt=tail.rstrip().endswith(THINK_OPEN),
-                         needs_special_tokens=think is not None and engine.decode([think]) == "")
+    opened = tail.rstrip().endswith(THINK_OPEN)
+    added = added_token_ids(engine.tokenizer)
+    close = added.get(THINK_CLOSE)
+    if params.grammar is not None and not (opened and close is not None):
+        return ReasoningPlan()
+    think = added.get(THINK_OPEN)
+    return ReasoningPlan("think", opened_in_prompt=opened,
+                         needs_special_tokens=think is not None and engine.decode([think]) == "",
+                         grammar_after=close if params.grammar is not None else None)

@@ -82,3 +82,13 @@ def test_sampler_masks_what_the_grammar_forbids(engine):
     logits[engine.encode("maybe")[0]] = 50.0  # the model's favourite is not allowed
     token = sampler.sample(logits)
     assert engine.decode([token]) in ("yes", "no", "y", "n")
+
+
+def test_a_grammar_after_a_token_lets_the_model_write_freely_until_that_token(engine):
+    marker = engine.encode(" Meanwhile")[0]  # stands for a thinking model's `</think>`
+    favourite = {marker: 100.0}  # the model writes the marker first, whatever else it prefers
+    text, finish = generate(engine, temperature=0, grammar='start: "yes" | "no"', grammar_after=marker,
+                            logit_bias=favourite)
+    assert finish == "stop" and text in (" Meanwhileyes", " Meanwhileno")  # free, then only the grammar
+    text, _ = generate(engine, temperature=0, grammar='start: "yes" | "no"', logit_bias=favourite)
+    assert text in ("yes", "no")  # from the first token the grammar forbids the marker

@@ -118,7 +118,8 @@ class TailEngine:
     def __init__(self, source: str, prompt_text: str, think_special: bool = False) -> None:
         self.chat_template_info = ChatTemplateInfo(False, source, "qwen3_moe")
         self.prompt_text, self.think_special = prompt_text, think_special
-        self.tokenizer = type("Tokenizer", (), {"added_tokens_decoder": {7: type("T", (), {"content": "<think>"})}})()
+        added = {7: type("T", (), {"content": "<think>"}), 8: type("T", (), {"content": "</think>"})}
+        self.tokenizer = type("Tokenizer", (), {"added_tokens_decoder": added})()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if ids == [7]:
@@ -143,6 +144,15 @@ def test_a_special_think_token_is_kept_in_the_text_and_a_grammar_turns_reading_o
     assert plan_reasoning("none", engine, SamplingParams(), [1]).format is None
     harmony = plan_reasoning("harmony", engine, SamplingParams(), [1])
     assert harmony.format == "harmony" and harmony.needs_special_tokens
+
+
+def test_under_a_grammar_a_block_opened_in_the_prompt_is_thought_freely_then_the_grammar_holds():
+    grammar = SamplingParams(grammar='start: "x"')
+    opened = plan_reasoning("auto", TailEngine(THINK_TEMPLATE, "assistant\n<think>\n"), grammar, [1])
+    assert (opened.format, opened.opened_in_prompt, opened.grammar_after) == ("think", True, 8)  # `</think>`
+    assert opened.sampling_params(grammar).grammar_after == 8
+    assert plan_reasoning("auto", TailEngine(THINK_TEMPLATE, "assistant\n<think>\n"), SamplingParams(),
+                          [1]).grammar_after is None  # no grammar: nothing to hold back
 
 
 # -- a real server on a tiny Qwen3-style thinking model ------------------------------------------
@@ -239,3 +249,20 @@ def test_past_thinking_and_reasoning_effort_reach_the_template():
         client.chat.completions.create(model="scripted", messages=history[:1], reasoning_effort="low",
                                        extra_body={"chat_template_kwargs": {"reasoning_effort": "medium", "x": 1}})
         assert engine.template_kwargs == {"reasoning_effort": "medium", "x": 1}  # the explicit variable wins
+
+
+def test_json_output_of_a_thinking_model_follows_its_thinking(thinking_server):
+    from tests.fixtures.tokenizers import build_tokenizer
+
+    close = build_tokenizer("qwen3_thinking").convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"a": {"enum": [1]}}, "required": ["a"], "additionalProperties": False}
+    client = thinking_server.openai()
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=ASK, max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        logit_bias={str(close): 100})  # the tiny model closes its (empty) thinking at once
+    message = response.choices[0].message
+    assert json.loads(message.content) == {"a": 1} and response.choices[0].finish_reason == "stop"
+    assert "reasoning_content" not in (message.model_extra or {})  # nothing thought: no field
+    # `</think>` (free: a grammar from the first token would forbid it), the JSON, the end of sequence
+    assert response.usage.completion_tokens == 1 + len(build_tokenizer("qwen3_thinking").encode(message.content)) + 1
