@@ -195,7 +195,6 @@ def _add_reasoning(out: list[Part], text: str) -> None:
         out.append(Reasoning(text))
 
 
-
 @dataclass(frozen=True)
 class ReasoningPlan:
     """How one response's output is read for reasoning."""
