@@ -301,7 +301,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
-    reasoning_effort: str | None = None  # "low", "medium", "high": a template variable (GPT-OSS reads it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # a template variable (GPT-OSS)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The template's extra variables: `chat_template_kwargs`, and `reasoning_effort` unless they set it."""

@@ -266,3 +266,11 @@ def test_json_output_of_a_thinking_model_follows_its_thinking(thinking_server):
     assert "reasoning_content" not in (message.model_extra or {})  # nothing thought: no field
     # `</think>` (free: a grammar from the first token would forbid it), the JSON, the end of sequence
     assert response.usage.completion_tokens == 1 + len(build_tokenizer("qwen3_thinking").encode(message.content)) + 1
+
+
+def test_an_unknown_reasoning_effort_is_a_400(thinking_server):
+    import httpx
+
+    response = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=30,
+                          json={"messages": ASK, "max_tokens": 2, "reasoning_effort": "extreme"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
