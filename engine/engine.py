@@ -52,7 +52,7 @@ EAMC_SAVE_INTERVAL_S = 60.0
 CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
 # what transformers' apply_chat_template takes itself, or the server sets: not a template variable
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 WARM_UP_TOKENS = 4
