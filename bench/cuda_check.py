@@ -59,6 +59,18 @@ def check_pinned_and_streams(folder: Path) -> dict:
     return {"host_buffers_pinned": pinned, "copies_on_side_streams": side_streams, "load_issue_ms": 1000 * issued}
 
 
+def check_default_sizing(folder: Path) -> dict:
+    """No cache size given: the cache takes the free memory less the dense weights (loaded after it)
+    and the headroom; the model must then load and generate."""
+    engine = Engine.load(EngineConfig(model=str(folder), device="cuda", policy="lru"))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tokens = [t for e in engine.generate(GenerationRequest("s", engine.encode(PROMPT), params)) for t in e.token_ids]
+    result = {"capacity": engine.runtime.cache.capacity, "experts": len(engine.loaded.host.sources),
+              "generated": len(tokens), "free_gib_after": torch.cuda.mem_get_info()[0] / 2**30}
+    engine.close()
+    return result
+
+
 def check_equivalence(tmp: Path) -> dict:
     results = {}
     for family in FAMILIES + MORE_FAMILIES:  # on CUDA small experts take the stacked decode path
@@ -141,6 +153,7 @@ def main() -> None:
         tmp = Path(tmp)
         sections = {
             "streams": lambda: check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams")),
+            "default_sizing": lambda: check_default_sizing(tmp / "streams"),
             "equivalence": lambda: check_equivalence(tmp),
             "quantized": lambda: check_quantized(tmp),
             "host_executor": lambda: check_host_executor(tmp),
