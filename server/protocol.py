@@ -493,3 +493,29 @@ class CompletionResponse(ResponseModel):
 
 
 CompletionStreamResponse = CompletionResponse  # OpenAI streams the same object, one piece at a time
+
+
+# -- /tokenize, /detokenize (vLLM's and llama.cpp's, for clients that count tokens) ----------------
+class TokenizeRequest(OpenAIBaseModel):
+    """A completion prompt (its ids as /v1/completions sees them) or chat messages (through the model's
+    chat template, with the generation prompt, as /v1/chat/completions sees them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.api import EngineUnavailableError, GenerationRequest
+from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError
 from engine.constraint import added_token_ids
 from server import protocol as p
 from server.errors import model_not_found
@@ -94,6 +94,30 @@ async def list_models(raw: Request) -> p.ModelList:
 async def retrieve_model(model_id: str, raw: Request) -> p.ModelCard:
     engine = ready_engine(raw, model_id)
     return _card(raw, engine)
+
+
+@router.post("/tokenize")
+async def tokenize(body: p.TokenizeRequest, raw: Request) -> JSONResponse:
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("send either `prompt` or `messages`", param="prompt")
+    if body.messages is not None:
+        tokens = await run_in_threadpool(engine.apply_chat_template, [m.to_engine() for m in body.messages])
+    else:
+        tokens = await run_in_threadpool(engine.encode, body.prompt)
+    response = p.TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/detokenize")
+async def detokenize(body: p.DetokenizeRequest, raw: Request) -> JSONResponse:
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    if any(not 0 <= t < engine.vocab_size for t in body.tokens):
+        raise InvalidRequestError(f"tokens must be ids in [0, {engine.vocab_size})", param="tokens")
+    text = await run_in_threadpool(engine.decode, body.tokens)
+    return JSONResponse(p.DetokenizeResponse(prompt=text).model_dump())
 
 
 @router.get("/v1/expert-cache")

@@ -531,3 +531,29 @@ def test_expert_cache_view(http, client):
     assert resident == view["capacity_experts"] == view["total_experts"]  # on CPU all stay in RAM by default
     for layer in view["layers"]:
         assert {"layer", "hits", "misses", "hit_rate", "resident_experts"} <= set(layer)
+
+
+def test_tokenize_gives_the_ids_each_endpoint_sees_and_detokenize_reverses_them(http, tokenizer):
+    prompt = http.post("/tokenize", json={"prompt": "Hello there, friend"}).json()
+    assert prompt["tokens"] == tokenizer("Hello there, friend")["input_ids"]
+    assert prompt["count"] == len(prompt["tokens"]) and prompt["max_model_len"] == 512
+    messages = [{"role": "user", "content": "Hello there, friend"}]
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(want, add_special_tokens=False)["input_ids"]
+    text = http.post("/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
+    assert text == tokenizer.decode(prompt["tokens"], skip_special_tokens=True) and "Hello there, friend" in text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input(http, path, body, param):
+    response = http.post(path, json=body)
+    assert 400 <= response.status_code < 500
+    assert response.json()["error"]["param"] == param
