@@ -25,7 +25,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
     expert_cache_experts: int | None = None  # device cache size in experts ...
     expert_cache_gb: float | None = None  # ... or in GiB; neither: free CUDA memory but 2 GiB, or on CPU all experts (in RAM)
-    host_cache_gb: float | None = None  # RAM tier budget; None: all experts in RAM
+    host_cache_gb: float | None = None  # RAM tier budget; None: all experts that fit in the available RAM
     policy: str = "sparsity-aware"
     prefetch: bool = True
     cpu_experts: str = "auto"  # auto | off: on CUDA, compute some misses on the host cores (when measured faster)

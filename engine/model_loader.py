@@ -43,6 +43,7 @@ from engine.checkpoint import (
     read_dequantized,
     split_checkpoint,
 )
+from engine.host_memory import available_ram_bytes
 from engine.moe_layers import MoELayer, find_moe_layers, top_k_of
 from engine.offloaded_experts import OffloadedExperts
 
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CUDA_HEADROOM_BYTES = 2 * GIB  # left free for the KV cache and activations when sizing the cache
+HOST_HEADROOM_BYTES = 4 * GIB  # left to the system, Python, the KV cache on CPU and the page cache
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,12 @@ def load_offloaded_model(
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int,
                   dense_bytes: int = 0) -> ExpertCache:
     """On CPU the cache's slots are the RAM tier (experts computed in place); else device slots.
-    `dense_bytes`: what the dense weights will take on the device; they are loaded after the cache."""
+    `dense_bytes`: what the dense weights will take on the device (RAM on CPU); they load after the cache."""
     total, stats = len(host.sources), CacheStats(num_layers)
     if device.type != "cpu":
         capacity = _device_capacity(sizing, host, device, total, dense_bytes)
         return ExpertCache(capacity, policy, stats, SlotBackend(host, capacity, device))
-    capacity = _cpu_capacity(sizing, host.bytes_per_expert, total)
+    capacity = _cpu_capacity(sizing, host.bytes_per_expert, total, dense_bytes)
     cache = ExpertCache(capacity, policy, stats, InPlaceBackend(host, capacity))
     if capacity == total:  # all in RAM: read once now, never again
         cache.preload(list(host.sources))
@@ -253,17 +255,34 @@ def _build_host_store(
 ) -> HostStore:
     if device.type == "cpu":
         return HostStore(sources, layout, dtype, capacity=0)  # the expert cache holds the RAM tier
-    host_capacity = None if sizing.host_gb is None else max(1, _experts_in(sizing.host_gb, layout.numel * dtype.itemsize))
+    bytes_per_expert = layout.numel * dtype.itemsize
+    host_capacity = (_ram_capacity(bytes_per_expert, len(sources)) if sizing.host_gb is None
+                     else max(1, _experts_in(sizing.host_gb, bytes_per_expert)))
     host = HostStore(sources, layout, dtype, host_capacity, pin_memory=True)
     host.preload()
     return host
 
 
-def _cpu_capacity(sizing: CacheSizing, bytes_per_expert: int, total: int) -> int:
-    """Experts kept in RAM on CPU: the smallest size given (any cache flag names the same memory), else all."""
+def _cpu_capacity(sizing: CacheSizing, bytes_per_expert: int, total: int, dense_bytes: int = 0) -> int:
+    """Experts kept in RAM on CPU: the smallest size given (any cache flag names the same memory), else
+    all that fit beside the dense weights."""
     given = [n for n in (sizing.device_experts, _experts_in(sizing.device_gb, bytes_per_expert),
                          _experts_in(sizing.host_gb, bytes_per_expert)) if n is not None]
-    return min(max(1, min(given)), total) if given else total
+    return min(max(1, min(given)), total) if given else _ram_capacity(bytes_per_expert, total, dense_bytes)
+
+
+def _ram_capacity(bytes_per_expert: int, total: int, reserved: int = 0) -> int:
+    """The RAM tier's default size: every expert when they fit in the available RAM (less `reserved`
+    and the headroom), else as many as fit, the rest read from disk at each miss (a machine with too
+    little RAM used to be killed while loading them all)."""
+    available = available_ram_bytes()
+    fit = total if available is None else int(max(0, available - reserved - HOST_HEADROOM_BYTES) // bytes_per_expert)
+    if fit < total:
+        log.warning("RAM: %.1f GiB available holds %d of the %d experts (%.0f MiB each, %.0f GiB kept free); the "
+                    "rest are read from disk at each miss. --host-cache-gb sets this size; --expert-dtype int8 or "
+                    "int4 fits 2-3.5x more", available / GIB, max(1, fit), total, bytes_per_expert / 2**20,
+                    HOST_HEADROOM_BYTES / GIB)
+    return max(1, min(fit, total))
 
 
 def _experts_in(gib: float | None, bytes_per_expert: int) -> int | None:

@@ -42,3 +42,55 @@ def test_free_memory_is_shared_with_the_dense_weights_and_the_headroom(monkeypat
     assert _device_capacity(CacheSizing(device_experts=9), Host(), device, total=1000, dense_bytes=5 * GIB) == 9
     with pytest.raises(ValueError, match="at least one expert"):
         _device_capacity(CacheSizing(), Host(), device, total=1000, dense_bytes=18 * GIB)
+
+
+# -- the RAM tier's default size ------------------------------------------------------------------
+def test_available_ram_is_mem_available_within_a_container_limit(tmp_path):
+    from engine.host_memory import available_ram_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:   50000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_ram_bytes(meminfo, cgroup) == 50000000 * 1024  # no cgroup files: the kernel's figure
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("123\n")
+    assert available_ram_bytes(meminfo, cgroup) == 50000000 * 1024  # v2 without a limit
+    (cgroup / "memory.max").write_text(str(8 * GIB))
+    (cgroup / "memory.current").write_text(str(3 * GIB))
+    assert available_ram_bytes(meminfo, cgroup) == 5 * GIB  # `docker run --memory 8g`, 3 GiB used
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("5")
+    assert available_ram_bytes(meminfo, v1) == 50000000 * 1024  # v1 "unlimited"
+    assert available_ram_bytes(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_without_a_size_the_ram_tier_holds_what_fits_and_reads_the_rest_from_disk(tmp_path, monkeypatch, caplog):
+    from engine import model_loader
+    from engine.api import GenerationRequest, SamplingParams
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    folder = build_checkpoint("mixtral", tmp_path / "mixtral")
+    config = EngineConfig(model=str(folder), device="cpu", policy="lru")
+    roomy = Engine.load(config)
+    total, per_expert = roomy.runtime.cache.capacity, roomy.loaded.host.bytes_per_expert
+    assert total == 3 * 8  # every expert fits on this machine
+    ids = roomy.encode("The capital of France is")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [t for e in roomy.generate(GenerationRequest("a", ids, params)) for t in e.token_ids]
+    roomy.close()
+
+    with init_empty_weights(include_buffers=False):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    dense = _dense_bytes(meta, find_moe_layers(meta), torch.float32)  # on CPU the dense weights are in RAM too
+    monkeypatch.setattr(model_loader, "available_ram_bytes",
+                        lambda: model_loader.HOST_HEADROOM_BYTES + dense + int(5.5 * per_expert))
+    tight = Engine.load(config)
+    assert tight.runtime.cache.capacity == 5
+    assert "read from disk at each miss" in caplog.text
+    got = [t for e in tight.generate(GenerationRequest("b", ids, params)) for t in e.token_ids]
+    assert got == want and tight.loaded.host.disk_reads > 0
+    tight.close()
