@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CUDA_HEADROOM_BYTES = 2 * GIB  # left free for the KV cache and activations when sizing the cache
-HOST_HEADROOM_BYTES = 4 * GIB  # left to the system, Python, the KV cache on CPU and the page cache
+HOST_HEADROOM_BYTES = 4 * GIB  # at most this (a quarter on a small machine) left to the system, Python, the KV cache on CPU
 
 
 @dataclass(frozen=True)
@@ -276,12 +276,15 @@ def _ram_capacity(bytes_per_expert: int, total: int, reserved: int = 0) -> int:
     and the headroom), else as many as fit, the rest read from disk at each miss (a machine with too
     little RAM used to be killed while loading them all)."""
     available = available_ram_bytes()
-    fit = total if available is None else int(max(0, available - reserved - HOST_HEADROOM_BYTES) // bytes_per_expert)
+    if available is None:
+        return total
+    headroom = min(HOST_HEADROOM_BYTES, available // 4)  # a small machine keeps a quarter free
+    fit = int(max(0, available - reserved - headroom) // bytes_per_expert)
     if fit < total:
-        log.warning("RAM: %.1f GiB available holds %d of the %d experts (%.0f MiB each, %.0f GiB kept free); the "
+        log.warning("RAM: %.1f GiB available holds %d of the %d experts (%.0f MiB each, %.1f GiB kept free); the "
                     "rest are read from disk at each miss. --host-cache-gb sets this size; --expert-dtype int8 or "
                     "int4 fits 2-3.5x more", available / GIB, max(1, fit), total, bytes_per_expert / 2**20,
-                    HOST_HEADROOM_BYTES / GIB)
+                    headroom / GIB)
     return max(1, min(fit, total))
 
 

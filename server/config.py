@@ -136,11 +136,11 @@ FLAGS: tuple[Flag, ...] = (
          "scale per output channel; a size that does not divide a row shrinks to a divisor", "N",
          default_text="int8: per channel (the CPU kernel's form), int4: 32; int4-mixed: 32 for its int4 weights, down_proj per channel"),
     Flag("--expert-cache-experts", EngineConfig, int, "device expert cache size in experts, over all layers", "N",
-         default_text="on CUDA the free device memory less the dense weights and 2 GiB; on CPU every expert that fits in the available RAM less 4 GiB, computed where it lies (the smallest of this, --expert-cache-gb and --host-cache-gb)"),
+         default_text="on CUDA the free device memory less the dense weights and 2 GiB; on CPU every expert that fits in the available RAM less 4 GiB (a quarter of it when that is less), computed where it lies (the smallest of this, --expert-cache-gb and --host-cache-gb)"),
     Flag("--expert-cache-gb", EngineConfig, float, "device expert cache size in GiB (instead of "
          "--expert-cache-experts)", "GB"),
     Flag("--host-cache-gb", EngineConfig, float, "host-RAM tier for experts in GiB; experts beyond it "
-         "are read from disk on demand", "GB", default_text="every expert that fits in the available RAM (a container's limit included) less 4 GiB"),
+         "are read from disk on demand", "GB", default_text="every expert that fits in the available RAM (a container's limit included) less 4 GiB (a quarter of it when that is less)"),
     Flag("--policy", EngineConfig, str, "expert cache policy; only sparsity-aware learns from past requests "
          "(the EAMC): with lru or lfu the EAMC and its file are off", choices=POLICY_NAMES),
     Flag("--cpu-experts", EngineConfig, str, "on CUDA, compute some missed experts on the host cores where their "

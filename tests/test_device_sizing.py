@@ -86,11 +86,23 @@ def test_without_a_size_the_ram_tier_holds_what_fits_and_reads_the_rest_from_dis
     with init_empty_weights(include_buffers=False):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     dense = _dense_bytes(meta, find_moe_layers(meta), torch.float32)  # on CPU the dense weights are in RAM too
-    monkeypatch.setattr(model_loader, "available_ram_bytes",
-                        lambda: model_loader.HOST_HEADROOM_BYTES + dense + int(5.5 * per_expert))
+    available = int((dense + 5.5 * per_expert) * 4 / 3)  # a small machine keeps a quarter free
+    monkeypatch.setattr(model_loader, "available_ram_bytes", lambda: available)
     tight = Engine.load(config)
     assert tight.runtime.cache.capacity == 5
     assert "read from disk at each miss" in caplog.text
     got = [t for e in tight.generate(GenerationRequest("b", ids, params)) for t in e.token_ids]
     assert got == want and tight.loaded.host.disk_reads > 0
     tight.close()
+
+
+def test_a_large_machine_keeps_4_gib_free_a_small_one_a_quarter(monkeypatch):
+    from engine import model_loader
+
+    monkeypatch.setattr(model_loader, "available_ram_bytes", lambda: 64 * GIB)
+    assert model_loader._ram_capacity(GIB, total=1000, reserved=10 * GIB) == 50  # 64 - 10 - 4
+    monkeypatch.setattr(model_loader, "available_ram_bytes", lambda: 8 * GIB)
+    assert model_loader._ram_capacity(GIB // 4, total=1000) == 24  # 8 - 2 GiB: 24 quarter-GiB experts
+    assert model_loader._ram_capacity(GIB // 4, total=10) == 10
+    monkeypatch.setattr(model_loader, "available_ram_bytes", lambda: None)
+    assert model_loader._ram_capacity(GIB, total=1000) == 1000  # unknown (not Linux): every expert, as before
