@@ -55,6 +55,11 @@ class EngineUnavailableError(EngineError):
     """The engine is still loading or its worker has died (the server answers 503)."""
 
 
+class DeviceMemoryError(EngineError):
+    """The device ran out of memory during a request (its KV cache grows with the context); the
+    engine goes on serving (the server answers 503)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: up to the context length

@@ -28,6 +28,7 @@ from cache.quant import DEFAULT_GROUP_SIZE, QUANT_DTYPES, QuantLayout
 from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
+    DeviceMemoryError,
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
@@ -291,6 +292,15 @@ class Engine:
                         return
                     yield event
                     input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        except torch.OutOfMemoryError:
+            context = len(prompt) + times.tokens
+            log.warning("request %s: the device ran out of memory at %d tokens of context", request.request_id, context)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the failed step held, back to the driver
+            raise DeviceMemoryError(
+                f"the device ran out of memory at {context} tokens of context (the KV cache grows with it); "
+                "a shorter conversation fits, or start the server with a smaller --expert-cache-gb or "
+                "--max-model-len") from None
         finally:
             self.runtime.end_request(request.request_id)
             self._save_eamc_periodically()

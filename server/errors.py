@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import (
     ContextLengthError,
+    DeviceMemoryError,
     EngineUnavailableError,
     InvalidRequestError,
     QueueFullError,
@@ -64,6 +65,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "server_error", code="queue_full",
                         headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
+    if isinstance(exc, DeviceMemoryError):  # no Retry-After: the same request would fail again
+        return APIError(503, str(exc), "server_error", code="device_out_of_memory")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), "server_error", code="engine_unavailable",
                         headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})

@@ -200,3 +200,32 @@ def test_shutdown_during_the_load_does_not_wait_for_it():
     time.sleep(0.2)
     assert client.engine is None and not client.ready and not engine.closed
     assert reported == []  # stopping is not a load failure: the CLI exits 0, not 1
+
+
+def test_out_of_device_memory_fails_that_request_with_a_503_and_the_engine_serves_on(tmp_path):
+    import torch
+
+    from engine.engine import Engine
+    from tests.fixtures.models import build_checkpoint
+
+    engine = Engine.load(EngineConfig(model=str(build_checkpoint("mixtral", tmp_path / "m")), device="cpu"))
+    forward, calls = engine._forward, []
+
+    def runs_out_at_the_third_step(input_ids, kv):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(input_ids, kv)
+
+    engine._forward = runs_out_at_the_third_step
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
+    with InProcessServer(lambda: engine) as srv:
+        wait_for_health(srv.url, 200)
+        failed = httpx.post(f"{srv.url}/v1/chat/completions", json=chat)
+        assert failed.status_code == 503 and "Retry-After" not in failed.headers
+        error = failed.json()["error"]
+        assert error["code"] == "device_out_of_memory" and "ran out of memory at" in error["message"]
+        assert "--max-model-len" in error["message"]
+        served = httpx.post(f"{srv.url}/v1/chat/completions", json=chat)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(f"{srv.url}/health").status_code == 200
