@@ -40,6 +40,7 @@ from engine.checkpoint import checkpoint_digest, published_format, read_config_d
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from engine.kv_budget import warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
@@ -110,6 +111,7 @@ class Engine:
         engine = cls(loaded, tokenizer, config, device)
         engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
         engine._attach_cache_features()
+        warn_if_context_may_not_fit(loaded.config, dtype, engine.max_model_len, device)
         shown = {**engine.sampling_defaults, "max_tokens": engine.max_new_tokens or "the rest of the context"}
         log.info("a request that omits them gets: %s (from generation_config.json, else the OpenAI defaults)",
                  ", ".join(f"{k}={v}" for k, v in shown.items()))
