@@ -78,6 +78,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
     grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
     grammar_after: int | None = None  # ... or the completion after this token (a thinking model's `</think>`)
+    grammar_may_open: int | None = None  # with grammar_after: a first token (`<think>`) that defers the grammar
 
     def __post_init__(self) -> None:
         checks = [

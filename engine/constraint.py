@@ -57,11 +57,13 @@ class GrammarTokenizer:
 
 class GrammarConstraint:
     """One request's grammar state: the allowed tokens now, advanced by each chosen token.
-    With `after_token`, the grammar holds only from the token after it (a thinking model thinks freely,
-    then answers under the grammar); until then every token is allowed."""
+
+    With `after_token` (a thinking model's `</think>`) the grammar holds only after that token: the
+    model thinks freely first. With `open_token` too (`<think>`), the thinking is the model's choice:
+    its first token is that one (then it thinks until `after_token`) or one the grammar allows."""
 
     def __init__(self, tokenizer: GrammarTokenizer, grammar: str, vocab_size: int, device: torch.device,
-                 after_token: int | None = None) -> None:
+                 after_token: int | None = None, open_token: int | None = None) -> None:
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(tokenizer.get(), LLMatcher.grammar_from_lark(grammar))
@@ -69,18 +71,25 @@ class GrammarConstraint:
             raise InvalidRequestError(f"the output grammar cannot be used: {self.matcher.get_error()}",
                                       param="grammar")
         self.vocab_size, self.device = vocab_size, device
-        self.after_token = after_token
-        self.active = after_token is None
+        self.after_token, self.open_token = after_token, open_token
+        self.state = "grammar" if after_token is None else ("start" if open_token is not None else "thinking")
 
-    def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next."""
+    def allowed(self) -> torch.Tensor | None:
+        """[V] bool: the tokens allowed next; None while the model thinks (any token)."""
+        if self.state == "thinking":
+            return None
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)  # one bit per token, little-endian
         allowed = np.unpackbits(bits, count=self.vocab_size, bitorder="little")
+        if self.state == "start":
+            allowed[self.open_token] = 1
         return torch.from_numpy(allowed).to(self.device, torch.bool)
 
     def advance(self, token_id: int) -> None:
-        if not self.active:
-            self.active = token_id == self.after_token
+        if self.state == "start":
+            self.state = "thinking" if token_id == self.open_token else "grammar"
+        if self.state == "thinking":
+            if token_id == self.after_token:
+                self.state = "grammar"
             return
         if not self.matcher.consume_token(token_id):
             raise RuntimeError(f"token {token_id} broke the grammar: {self.matcher.get_error()}")

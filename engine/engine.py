@@ -242,8 +242,8 @@ class Engine:
             )
         if params.grammar is not None:
             check_grammar(params.grammar)
-        if params.grammar_after is not None and not 0 <= params.grammar_after < self.vocab_size:
-            raise InvalidRequestError(f"grammar_after must be a token id in [0, {self.vocab_size})", param="grammar")
+        if any(t is not None and not 0 <= t < self.vocab_size for t in (params.grammar_after, params.grammar_may_open)):
+            raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})", param="grammar")
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
@@ -259,7 +259,7 @@ class Engine:
         constraint = None
         if params.grammar is not None:
             constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device,
-                                           params.grammar_after)
+                                           params.grammar_after, params.grammar_may_open)
         sampler = Sampler(params, prompt, self.vocab_size, self.device, constraint)
         detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens))
         stops = StopStringMatcher(params.stop)

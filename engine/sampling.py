@@ -72,8 +72,9 @@ class Sampler:
         if p.frequency_penalty or p.presence_penalty:
             scores = scores - p.frequency_penalty * self.output_counts
             scores = scores - p.presence_penalty * (self.output_counts > 0).float()
-        if self.constraint is not None and self.constraint.active:
-            scores = scores.masked_fill(~self.constraint.allowed(), float("-inf"))
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
         return scores
 
     def _filter(self, scores: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,7 @@ class ReasoningPlan:
     opened_in_prompt: bool = False  # think: the template opened the block, the output starts inside it
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
     grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
+    grammar_may_open: int | None = None  # a first token (`<think>`) that starts thinking instead of the grammar
 
     def stream(self) -> ThinkStream | HarmonyStream | None:
         if self.format == "think":
@@ -214,15 +215,18 @@ class ReasoningPlan:
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         if self.needs_special_tokens:
             params = replace(params, skip_special_tokens=False)
-        return replace(params, grammar_after=self.grammar_after) if self.grammar_after is not None else params
+        if self.grammar_after is None:
+            return params
+        return replace(params, grammar_after=self.grammar_after, grammar_may_open=self.grammar_may_open)
 
 
 def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: list[int]) -> ReasoningPlan:
     """`parser_name`: from `REASONING_PARSERS`; `prompt`: the rendered prompt's token ids.
 
-    Under a grammar (JSON output, a forced tool call) a thinking model whose template opened the
-    block thinks freely and answers under the grammar after its `</think>`; where the prompt did not
-    open one, the grammar holds from the first token and the output is not read for thinking."""
+    Under a grammar (JSON output, a forced tool call) a thinking model thinks freely and answers under
+    the grammar after its `</think>`: from the start where the template opened the block, else if its
+    first token opens one. Where the markers are not single tokens, the grammar holds from the first
+    token and the output is not read for thinking."""
     name = detect_reasoning(engine.chat_template_info) if parser_name == "auto" else parser_name
     if name == "harmony":
         return ReasoningPlan("harmony", needs_special_tokens=True)
@@ -233,10 +237,11 @@ def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: lis
     tail = engine.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     opened = tail.rstrip().endswith(THINK_OPEN)
     added = added_token_ids(engine.tokenizer)
-    close = added.get(THINK_CLOSE)
-    if params.grammar is not None and not (opened and close is not None):
+    think, close = added.get(THINK_OPEN), added.get(THINK_CLOSE)
+    gated = params.grammar is not None
+    if gated and (close is None or (think is None and not opened)):
         return ReasoningPlan()
-    think = added.get(THINK_OPEN)
     return ReasoningPlan("think", opened_in_prompt=opened,
                          needs_special_tokens=think is not None and engine.decode([think]) == "",
-                         grammar_after=close if params.grammar is not None else None)
+                         grammar_after=close if gated else None,
+                         grammar_may_open=think if gated and not opened else None)

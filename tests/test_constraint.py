@@ -92,3 +92,13 @@ def test_a_grammar_after_a_token_lets_the_model_write_freely_until_that_token(en
     assert finish == "stop" and text in (" Meanwhileyes", " Meanwhileno")  # free, then only the grammar
     text, _ = generate(engine, temperature=0, grammar='start: "yes" | "no"', logit_bias=favourite)
     assert text in ("yes", "no")  # from the first token the grammar forbids the marker
+
+
+def test_a_grammar_that_may_wait_for_thinking_holds_unless_the_first_token_opens_it(engine):
+    opener, closer = engine.encode(" Hmm")[0], engine.encode(" So")[0]  # stand for `<think>`, `</think>`
+    gated = {"grammar": 'start: "yes" | "no"', "grammar_after": closer, "grammar_may_open": opener}
+    text, finish = generate(engine, temperature=0, logit_bias={opener: 100.0}, **gated)
+    assert text == " Hmm" * 60 and finish == "length"  # opened: free from then on (the grammar never allows it)
+    other = engine.encode(" Meanwhile")[0]
+    text, _ = generate(engine, temperature=0, logit_bias={other: 100.0}, **gated)
+    assert text in ("yes", "no")  # not opened: the grammar from the first token

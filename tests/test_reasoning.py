@@ -136,11 +136,10 @@ def test_a_block_opened_by_the_template_is_seen_in_the_prompt(prompt_text, opene
     assert plan.sampling_params(SamplingParams()).skip_special_tokens
 
 
-def test_a_special_think_token_is_kept_in_the_text_and_a_grammar_turns_reading_off():
+def test_a_special_think_token_is_kept_in_the_text_and_none_turns_reading_off():
     engine = TailEngine(THINK_TEMPLATE, "assistant\n", think_special=True)
     plan = plan_reasoning("auto", engine, SamplingParams(), [1])
     assert plan.needs_special_tokens and not plan.sampling_params(SamplingParams()).skip_special_tokens
-    assert plan_reasoning("auto", engine, SamplingParams(grammar='start: "x"'), [1]).format is None
     assert plan_reasoning("none", engine, SamplingParams(), [1]).format is None
     harmony = plan_reasoning("harmony", engine, SamplingParams(), [1])
     assert harmony.format == "harmony" and harmony.needs_special_tokens
@@ -153,6 +152,17 @@ def test_under_a_grammar_a_block_opened_in_the_prompt_is_thought_freely_then_the
     assert opened.sampling_params(grammar).grammar_after == 8
     assert plan_reasoning("auto", TailEngine(THINK_TEMPLATE, "assistant\n<think>\n"), SamplingParams(),
                           [1]).grammar_after is None  # no grammar: nothing to hold back
+    assert opened.grammar_may_open is None  # already open
+
+
+def test_under_a_grammar_a_model_may_open_thinking_with_its_first_token():
+    grammar = SamplingParams(grammar='start: "x"')
+    plan = plan_reasoning("auto", TailEngine(THINK_TEMPLATE, "assistant\n"), grammar, [1])
+    assert (plan.format, plan.opened_in_prompt, plan.grammar_after, plan.grammar_may_open) == ("think", False, 8, 7)
+    assert (plan.sampling_params(grammar).grammar_after, plan.sampling_params(grammar).grammar_may_open) == (8, 7)
+    markers_as_text = TailEngine(THINK_TEMPLATE, "assistant\n")
+    markers_as_text.tokenizer.added_tokens_decoder = {}  # no single tokens to watch for: the grammar holds at once
+    assert plan_reasoning("auto", markers_as_text, grammar, [1]).format is None
 
 
 # -- a real server on a tiny Qwen3-style thinking model ------------------------------------------
