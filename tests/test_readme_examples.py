@@ -2,7 +2,7 @@
 model at its own sampling defaults), on the port the test picked instead of 8000.
 
 The demo samples (temperature 0.2, from its generation_config.json), so each example runs
-three times and two of three answers must be right; bench/RESULTS.md has the measured rate.
+five times and a majority of the answers must be right; bench/RESULTS.md has the measured rate.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from server.testing import RemoteServer
 pytestmark = pytest.mark.slow
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-RUNS = 3
+RUNS = 5  # a majority must be right: at the measured 96% a wrong majority of 5 is ~0.06% (of 3 it was ~0.5%)
+MAJORITY = RUNS // 2 + 1
 FRUITS = ("apple", "banana", "orange", "grape", "mango", "pear", "strawberr", "cherr", "peach", "pineapple",
           "lemon", "kiwi", "watermelon", "blueberr", "plum")
 
@@ -49,7 +50,7 @@ def test_the_curl_example_answers_the_question(server):
     for _ in range(RUNS):
         out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, check=True).stdout
         answers.append(json.loads(out)["choices"][0]["message"]["content"])
-    assert sum("Paris" in a for a in answers) >= 2, answers
+    assert sum("Paris" in a for a in answers) >= MAJORITY, answers
 
 
 def test_the_openai_sdk_example_streams_a_list_of_three_fruits(server):
@@ -59,4 +60,4 @@ def test_the_openai_sdk_example_streams_a_list_of_three_fruits(server):
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
         answers.append(out.stdout)
     named = [sum(fruit in a.lower() for fruit in FRUITS) for a in answers]
-    assert sum(n >= 3 for n in named) >= 2, answers
+    assert sum(n >= 3 for n in named) >= MAJORITY, answers
