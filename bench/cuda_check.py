@@ -60,13 +60,14 @@ def check_pinned_and_streams(folder: Path) -> dict:
 
 
 def check_default_sizing(folder: Path) -> dict:
-    """No cache size given: the cache takes the free memory less the dense weights (loaded after it)
-    and the headroom; the model must then load and generate."""
+    """No cache size given: the cache takes the free memory less the dense weights (loaded after it),
+    the headroom and a context's KV cache; the model must then load and generate."""
     engine = Engine.load(EngineConfig(model=str(folder), device="cuda", policy="lru"))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     tokens = [t for e in engine.generate(GenerationRequest("s", engine.encode(PROMPT), params)) for t in e.token_ids]
     result = {"capacity": engine.runtime.cache.capacity, "experts": len(engine.loaded.host.sources),
-              "generated": len(tokens), "free_gib_after": torch.cuda.mem_get_info()[0] / 2**30}
+              "generated": len(tokens), "max_model_len": engine.max_model_len,
+              "free_gib_after": torch.cuda.mem_get_info()[0] / 2**30}
     engine.close()
     return result
 

@@ -40,7 +40,7 @@ from engine.checkpoint import checkpoint_digest, published_format, read_config_d
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from engine.kv_budget import warn_if_context_may_not_fit
+from engine.kv_budget import DEFAULT_KV_SHARE, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
@@ -80,7 +80,7 @@ class Engine:
         self.device = device
         self.model_name = config.served_model_name or config.model or DEMO_MODEL_NAME
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
-        self.max_model_len = config.max_model_len or _model_max_len(loaded.config)
+        self.max_model_len = config.max_model_len or loaded.max_context or model_max_len(loaded.config)
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
         self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
                                                 loaded.config.model_type)
@@ -106,12 +106,17 @@ class Engine:
         dtype = resolve_dtype(config.dtype, folder, device)
         sizing = CacheSizing(config.expert_cache_experts, config.expert_cache_gb, config.host_cache_gb)
         quant = _quant_request(config, folder, device)
-        loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy, quant)
+        loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy, quant, config.max_model_len)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         engine = cls(loaded, tokenizer, config, device)
         engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
         engine._attach_cache_features()
         warn_if_context_may_not_fit(loaded.config, dtype, engine.max_model_len, device)
+        if engine.max_model_len < model_max_len(loaded.config):
+            log.info("context: %d tokens of the model's %d (%s); --max-model-len sets it, and its KV cache is set "
+                     "aside from the expert cache's memory", engine.max_model_len, model_max_len(loaded.config),
+                     "--max-model-len" if config.max_model_len else
+                     f"the KV cache gets at most 1/{round(1 / DEFAULT_KV_SHARE)} of the device memory by default")
         shown = {**engine.sampling_defaults, "max_tokens": engine.max_new_tokens or "the rest of the context"}
         log.info("a request that omits them gets: %s (from generation_config.json, else the OpenAI defaults)",
                  ", ".join(f"{k}={v}" for k, v in shown.items()))
@@ -460,10 +465,6 @@ def _eamc_saver(engine: Engine, policy) -> EAMCAutosaver:
     policy.eamc = saved or EAMC(runtime.num_layers, runtime.num_experts, capacity=config.eamc_capacity)
     log.info("EAMC %s: %d entries loaded", path, len(policy.eamc))
     return EAMCAutosaver(path, fingerprint, lambda: policy.eamc)
-
-
-def _model_max_len(config) -> int:
-    return int(getattr(config, "max_position_embeddings", None) or 4096)
 
 
 # generation_config.json key -> SamplingParams field, as vLLM's `--generation-config auto` reads them

@@ -1,15 +1,50 @@
-"""The KV cache a context needs on the device, and a warning at load when a full context would not
-fit in what the model left free (the cache grows with each token; running out mid-request is a 503)."""
+"""The KV cache a context needs on the device: the share of device memory set aside for it when the
+expert cache is sized from free memory, and a warning at load when a full context would not fit in what
+the model left free (the cache grows with each token; running out mid-request is a 503)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+# Without --max-model-len the KV cache gets at most this share of the device memory it shares with the
+# expert cache: every slot it takes is an expert fewer for every token, and most chats are short (Ollama
+# and LM Studio default to a few thousand tokens of context for the same reason).
+DEFAULT_KV_SHARE = 1 / 8
+MIN_DEFAULT_CONTEXT = 4096  # tokens: the default context is never cut below this
+CONTEXT_STEP = 1024  # a cut default context is a multiple of this
+
+
+def model_max_len(config: PretrainedConfig) -> int:
+    return int(getattr(config.get_text_config(), "max_position_embeddings", None) or 4096)
+
+
+@dataclass(frozen=True)
+class ContextNeed:
+    """What the KV cache of one context costs, and how long a context the user asked for."""
+
+    bytes_per_token: int
+    model_max: int  # the model's max_position_embeddings
+    requested: int | None = None  # --max-model-len
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, dtype: torch.dtype, requested: int | None) -> ContextNeed:
+        return cls(kv_bytes_per_token(config, dtype), model_max_len(config), requested)
+
+    def tokens_to_reserve(self, room: int, all_experts: int) -> int:
+        """The context whose KV cache is set aside from `room` bytes of device memory (what the dense
+        weights and the headroom leave; `all_experts`: the bytes of every expert): the one asked for, else
+        as much of the model's as `DEFAULT_KV_SHARE` of the room holds, or all that every expert leaves."""
+        if self.requested is not None:
+            return self.requested
+        kv_room = max(int(room * DEFAULT_KV_SHARE), room - all_experts)
+        tokens = kv_room // self.bytes_per_token // CONTEXT_STEP * CONTEXT_STEP
+        return min(self.model_max, max(MIN_DEFAULT_CONTEXT, tokens))
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:

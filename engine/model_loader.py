@@ -44,13 +44,14 @@ from engine.checkpoint import (
     split_checkpoint,
 )
 from engine.host_memory import available_ram_bytes
+from engine.kv_budget import ContextNeed
 from engine.moe_layers import MoELayer, find_moe_layers, top_k_of
 from engine.offloaded_experts import OffloadedExperts
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-CUDA_HEADROOM_BYTES = 2 * GIB  # left free for the KV cache and activations when sizing the cache
+CUDA_HEADROOM_BYTES = 2 * GIB  # left free for activations and the allocator when sizing the cache
 HOST_HEADROOM_BYTES = 4 * GIB  # at most this (a quarter on a small machine) left to the system, Python, the KV cache on CPU
 
 
@@ -85,6 +86,7 @@ class OffloadedModel:
     num_experts: int
     top_k: int
     quant: QuantLayout | None = None  # None: experts in the compute dtype, in `layout`
+    max_context: int | None = None  # the context whose KV cache the device sizing set aside (None: none was)
 
 
 def load_offloaded_model(
@@ -94,7 +96,10 @@ def load_offloaded_model(
     sizing: CacheSizing = CacheSizing(),
     policy: str = "lru",
     quant: QuantRequest | None = None,
+    max_model_len: int | None = None,
 ) -> OffloadedModel:
+    """`max_model_len`: the context asked for (None: the model's); on CUDA without a cache size, its KV
+    cache is set aside before the expert cache takes the free memory."""
     fmt = published_format(read_config_dict(folder), folder / "config.json")  # refuses what cannot be served
     config = AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):
@@ -112,8 +117,9 @@ def load_offloaded_model(
 
     quant_layout, sources = _expert_files(folder, expert_sources, moe_layers, dtype, device, quant, fmt)
     host = _build_host_store(sources, quant_layout or layout, torch.uint8 if quant_layout else dtype, device, sizing)
-    cache = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts), len(moe_layers),
-                          dense_bytes=_dense_bytes(model, moe_layers, dtype))
+    cache, max_context = _expert_cache(host, sizing, device, make_policy(policy, len(moe_layers), num_experts),
+                                       len(moe_layers), _dense_bytes(model, moe_layers, dtype),
+                                       ContextNeed.of(config, dtype, max_model_len))
     runtime = ExpertRuntime(cache, len(moe_layers), num_experts, top_k)
     slots = cache.backend.slots
     offloaded = [OffloadedExperts(i, layer, runtime, slots, quant_layout) for i, layer in enumerate(moe_layers)]
@@ -133,23 +139,25 @@ def load_offloaded_model(
         quant_layout.expert_dtype if quant_layout else str(dtype).removeprefix("torch."), tiers,
     )
     return OffloadedModel(
-        model, config, runtime, host, folder, moe_layers, offloaded, layout, num_experts, top_k, quant_layout
+        model, config, runtime, host, folder, moe_layers, offloaded, layout, num_experts, top_k, quant_layout,
+        max_context,
     )
 
 
 def _expert_cache(host: HostStore, sizing: CacheSizing, device: torch.device, policy, num_layers: int,
-                  dense_bytes: int = 0) -> ExpertCache:
+                  dense_bytes: int = 0, context: ContextNeed | None = None) -> tuple[ExpertCache, int | None]:
     """On CPU the cache's slots are the RAM tier (experts computed in place); else device slots.
-    `dense_bytes`: what the dense weights will take on the device (RAM on CPU); they load after the cache."""
+    `dense_bytes`: what the dense weights will take on the device (RAM on CPU); they load after the cache.
+    Also returns the context whose KV cache the device sizing set aside (None: none was)."""
     total, stats = len(host.sources), CacheStats(num_layers)
     if device.type != "cpu":
-        capacity = _device_capacity(sizing, host, device, total, dense_bytes)
-        return ExpertCache(capacity, policy, stats, SlotBackend(host, capacity, device))
+        capacity, max_context = _device_capacity(sizing, host, device, total, dense_bytes, context)
+        return ExpertCache(capacity, policy, stats, SlotBackend(host, capacity, device)), max_context
     capacity = _cpu_capacity(sizing, host.bytes_per_expert, total, dense_bytes)
     cache = ExpertCache(capacity, policy, stats, InPlaceBackend(host, capacity))
     if capacity == total:  # all in RAM: read once now, never again
         cache.preload(list(host.sources))
-    return cache
+    return cache, None
 
 
 ReadFloat = Callable[[ExpertKey, torch.Tensor], None]  # fills a float32 `[layout.numel]` buffer with one expert
@@ -293,21 +301,38 @@ def _experts_in(gib: float | None, bytes_per_expert: int) -> int | None:
 
 
 def _device_capacity(sizing: CacheSizing, host: HostStore, device: torch.device, total: int,
-                     dense_bytes: int = 0) -> int:
-    if sizing.device_experts is not None:
-        wanted = sizing.device_experts
-    elif sizing.device_gb is not None:
-        wanted = _experts_in(sizing.device_gb, host.bytes_per_expert)
-    else:  # the free memory, less the dense weights still to come and the headroom
-        free, _ = torch.cuda.mem_get_info(device)
-        wanted = int(max(0, free - dense_bytes - CUDA_HEADROOM_BYTES) // host.bytes_per_expert)
-        log.info("device expert cache: %.1f GiB free, %.1f GiB for the dense weights, %.1f GiB headroom: %d experts",
-                 free / GIB, dense_bytes / GIB, CUDA_HEADROOM_BYTES / GIB, min(wanted, total))
+                     dense_bytes: int = 0, context: ContextNeed | None = None) -> tuple[int, int | None]:
+    """Device slots, and the context whose KV cache was set aside for them (None: a size was given, so
+    nothing was; the load then warns if a full context may not fit)."""
+    given = sizing.device_experts
+    if given is None:
+        given = _experts_in(sizing.device_gb, host.bytes_per_expert)
+    if given is not None:
+        _check_at_least_one(given, host)
+        return min(given, total), None
+    # the free memory, less the dense weights still to come, the headroom and a context's KV cache
+    free, _ = torch.cuda.mem_get_info(device)
+    room = max(0, free - dense_bytes - CUDA_HEADROOM_BYTES)
+    tokens = kv_bytes = 0
+    if context is not None:
+        tokens = context.tokens_to_reserve(room, total * host.bytes_per_expert)
+        kv_bytes = tokens * context.bytes_per_token
+    wanted = int(max(0, room - kv_bytes) // host.bytes_per_expert)
+    log.info("device expert cache: %.1f GiB free, %.1f GiB for the dense weights, %.1f GiB headroom, %.1f GiB for "
+             "the KV cache of a %d-token context: %d experts", free / GIB, dense_bytes / GIB,
+             CUDA_HEADROOM_BYTES / GIB, kv_bytes / GIB, tokens, min(wanted, total))
+    why = (f": {free / GIB:.1f} GiB free, less {dense_bytes / GIB:.1f} GiB of dense weights, "
+           f"{CUDA_HEADROOM_BYTES / GIB:.0f} GiB headroom and {kv_bytes / GIB:.1f} GiB for the KV cache of a "
+           f"{tokens}-token context (lower --max-model-len, or set --expert-cache-gb)")
+    _check_at_least_one(wanted, host, why)
+    return min(wanted, total), (tokens if context is not None else None)
+
+
+def _check_at_least_one(wanted: int, host: HostStore, why: str = "") -> None:
     if wanted < 1:
         raise ValueError(
-            f"the device expert cache must hold at least one expert ({host.bytes_per_expert / GIB:.3f} GiB)"
+            f"the device expert cache must hold at least one expert ({host.bytes_per_expert / GIB:.3f} GiB){why}"
         )
-    return min(wanted, total)
 
 
 def _dense_bytes(model: nn.Module, moe_layers: list[MoELayer], dtype: torch.dtype) -> int:

@@ -163,8 +163,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--drain-timeout", ServerConfig, float, "on SIGTERM the server stops accepting and gives running "
          "requests this many seconds to finish; then they are aborted (a stream ends with an error event "
          "and [DONE])", "S"),
-    Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens", "N",
-         default_text="the model's max_position_embeddings"),
+    Flag("--max-model-len", EngineConfig, int, "context length: prompt plus completion tokens; on CUDA "
+         "without a cache size its whole KV cache is set aside before the expert cache takes the free memory",
+         "N", default_text="the model's max_position_embeddings; on CUDA without a cache size, cut to what "
+         "1/8 of the device memory left for the experts holds, at least 4096"),
     Flag("--tool-call-parser", ServerConfig, str, "how tool calls are read out of the model's output: "
          "auto picks by the chat template, else the model type", choices=PARSER_NAMES),
     Flag("--reasoning-parser", ServerConfig, str, "how a reasoning model's thinking is read out of its output "

@@ -8,6 +8,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine.kv_budget import MIN_DEFAULT_CONTEXT, ContextNeed
 from engine.model_loader import GIB, CacheSizing, _dense_bytes, _device_capacity
 from engine.moe_layers import find_moe_layers
 from tests.fixtures.models import build_checkpoint
@@ -36,12 +37,81 @@ def test_free_memory_is_shared_with_the_dense_weights_and_the_headroom(monkeypat
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, 24 * GIB))
     device = torch.device("cuda")
     # 20 GiB free, 2 GiB headroom: 72 experts of 0.25 GiB; 5 GiB of dense weights leave 52
-    assert _device_capacity(CacheSizing(), Host(), device, total=1000) == 72
-    assert _device_capacity(CacheSizing(), Host(), device, total=1000, dense_bytes=5 * GIB) == 52
-    assert _device_capacity(CacheSizing(), Host(), device, total=40, dense_bytes=5 * GIB) == 40
-    assert _device_capacity(CacheSizing(device_experts=9), Host(), device, total=1000, dense_bytes=5 * GIB) == 9
+    assert _device_capacity(CacheSizing(), Host(), device, total=1000) == (72, None)
+    assert _device_capacity(CacheSizing(), Host(), device, total=1000, dense_bytes=5 * GIB) == (52, None)
+    assert _device_capacity(CacheSizing(), Host(), device, total=40, dense_bytes=5 * GIB) == (40, None)
+    assert _device_capacity(CacheSizing(device_experts=9), Host(), device, total=1000, dense_bytes=5 * GIB) == (9, None)
+    assert _device_capacity(CacheSizing(device_gb=1.0), Host(), device, total=1000, dense_bytes=5 * GIB) == (4, None)
     with pytest.raises(ValueError, match="at least one expert"):
         _device_capacity(CacheSizing(), Host(), device, total=1000, dense_bytes=18 * GIB)
+
+
+# -- the KV cache's share of device memory ------------------------------------------------------------
+KIB = 1024
+MIXTRAL_LIKE = ContextNeed(bytes_per_token=128 * KIB, model_max=32768)  # a full context: 4 GiB of KV cache
+
+
+def sized(context: ContextNeed, total: int, dense_gib: float = 5) -> tuple[int, int | None]:
+    return _device_capacity(CacheSizing(), Host(), torch.device("cuda"), total, int(dense_gib * GIB), context)
+
+
+@pytest.fixture
+def free_20_gib(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, 24 * GIB))
+
+
+def test_by_default_the_kv_cache_gets_an_eighth_of_the_room_when_the_experts_do_not_all_fit(free_20_gib, caplog):
+    caplog.set_level("INFO")
+    # 13 GiB of room (20 free, 5 dense, 2 headroom): an eighth is 1.625 GiB = 13,312 tokens of 128 KiB
+    experts, context = sized(MIXTRAL_LIKE, total=1000)
+    assert context == 13 * 1024
+    assert experts == int((13 - 1.625) / 0.25)  # 45, where a full 32k context would have left 36
+    assert "1.6 GiB for the KV cache of a 13312-token context: 45 experts" in caplog.text
+
+
+def test_the_model_s_whole_context_when_it_fits_in_the_share_or_beside_every_expert(free_20_gib):
+    short = ContextNeed(bytes_per_token=128 * KIB, model_max=8192)  # 1 GiB: within the eighth
+    assert sized(short, total=1000) == (48, 8192)
+    # 40 experts (10 GiB) leave 3 GiB: 24,576 tokens; the KV cache takes it and every expert still fits
+    assert sized(MIXTRAL_LIKE, total=40) == (40, 24576)
+    assert sized(MIXTRAL_LIKE, total=30) == (30, 32768)
+
+
+def test_a_small_room_still_reserves_the_minimum_context(free_20_gib):
+    # 1 GiB of room: an eighth holds 1,024 tokens, the floor is 4,096 (0.5 GiB): 2 experts
+    assert sized(MIXTRAL_LIKE, total=1000, dense_gib=17) == (2, MIN_DEFAULT_CONTEXT)
+
+
+def test_an_asked_for_context_is_reserved_whole_or_refused_with_what_to_change(free_20_gib):
+    asked = ContextNeed(bytes_per_token=128 * KIB, model_max=32768, requested=65536)  # 8 GiB
+    assert sized(asked, total=1000) == (20, 65536)
+    too_long = ContextNeed(bytes_per_token=128 * KIB, model_max=32768, requested=131072)  # 16 GiB > 13 GiB of room
+    with pytest.raises(ValueError, match=r"16\.0 GiB for the KV cache of a 131072-token context \(lower --max-model-len"):
+        sized(too_long, total=1000)
+
+
+def test_the_engine_serves_the_context_the_sizing_set_aside(tmp_path, monkeypatch):
+    """On CUDA the sizing's context becomes the engine's limit (here a CPU load told it had set one
+    aside); --max-model-len still wins."""
+    import dataclasses
+
+    from engine import engine as engine_module
+    from engine.api import ContextLengthError, GenerationRequest, SamplingParams
+    from engine.config import EngineConfig
+
+    load = engine_module.load_offloaded_model
+
+    def load_with_context(*args, **kwargs):
+        return dataclasses.replace(load(*args, **kwargs), max_context=48)
+
+    monkeypatch.setattr(engine_module, "load_offloaded_model", load_with_context)
+    folder = build_checkpoint("mixtral", tmp_path / "m")
+    engine = engine_module.Engine.load(EngineConfig(model=str(folder), device="cpu"))
+    assert engine.max_model_len == 48
+    with pytest.raises(ContextLengthError, match="maximum context length is 48"):
+        list(engine.generate(GenerationRequest("long", list(range(10, 50)), SamplingParams(max_tokens=10))))
+    asked = engine_module.Engine.load(EngineConfig(model=str(folder), device="cpu", max_model_len=64))
+    assert asked.max_model_len == 64
 
 
 # -- the RAM tier's default size ------------------------------------------------------------------
