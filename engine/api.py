@@ -148,6 +148,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt: read from a kept KV cache, not computed
 
     @property
     def total_tokens(self) -> int:

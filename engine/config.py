@@ -34,6 +34,7 @@ class EngineConfig:
     record_trace: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4 | int4-mixed
+    prefix_cache: int = 4  # KV caches of finished requests kept for a prompt that starts the same way; 0: off
     expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 (and int4-mixed's int4 weights) 32
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class EngineConfig:
             "max_model_len": self.max_model_len,
             "eamc_capacity": self.eamc_capacity,
         }
+        if self.prefix_cache < 0:
+            raise ValueError(f"prefix-cache must be 0 (off) or a number of entries, not {self.prefix_cache}")
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, not {value}")

@@ -44,6 +44,7 @@ from engine.kv_budget import DEFAULT_KV_SHARE, model_max_len, warn_if_context_ma
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
+from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 from engine.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -81,6 +82,9 @@ class Engine:
         self.model_name = config.served_model_name or config.model or DEMO_MODEL_NAME
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or loaded.max_context or model_max_len(loaded.config)
+        # with the running request, at most one context's KV cache: what the device sizing set aside
+        self.prefix_cache = PrefixCache(config.prefix_cache, self.max_model_len) if config.prefix_cache else None
+        self.prompt_tokens = self.prompt_tokens_cached = 0  # over all requests: the prompts, and what was reused
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
         self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
                                                 loaded.config.model_type)
@@ -132,6 +136,9 @@ class Engine:
                                                                         ignore_eos=True))
         for _ in self.generate(request):
             pass
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # nobody's prompt
+        self.prompt_tokens = self.prompt_tokens_cached = 0
         log.info("warmed up in %.1f s", time.perf_counter() - start)
 
     def _attach_cache_features(self) -> None:
@@ -272,14 +279,21 @@ class Engine:
         self.runtime.begin_request(request.request_id)
         try:
             with torch.inference_mode():
-                kv = None  # the model makes its family's own cache (sliding window, linear attention, ...)
-                input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]
+                # None: the model makes its family's own cache (sliding window, linear attention, ...)
+                kv, cached = self.prefix_cache.take(prompt) if self.prefix_cache is not None else (None, 0)
+                tokens = list(prompt)  # what the KV cache holds once `input_ids` are fed: the prompt, the answer
+                input_ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=self.device)  # [1, T]
+                self.prompt_tokens += len(prompt)
+                self.prompt_tokens_cached += cached
                 while True:
                     if should_abort():
+                        self._keep_prefix(tokens, kv)
                         yield GenerationEvent(
-                            "", finish_reason="abort", usage=Usage(len(prompt), times.tokens)
+                            "", finish_reason="abort", usage=Usage(len(prompt), times.tokens, cached)
                         )
                         return
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.make_room(len(tokens))
                     logits, kv = self._forward(input_ids, kv)  # [V]
                     self.runtime.phase = "decode"
                     token = sampler.sample(logits)
@@ -295,15 +309,19 @@ class Engine:
                         )
                     if event.finish_reason is not None:
                         times.end = time.perf_counter()
-                        yield _with_usage(event, Usage(len(prompt), times.tokens))
+                        self._keep_prefix(tokens, kv)
+                        yield _with_usage(event, Usage(len(prompt), times.tokens, cached))
                         return
                     yield event
+                    tokens.append(token)
                     input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
         except torch.OutOfMemoryError:
             context = len(prompt) + times.tokens
             log.warning("request %s: the device ran out of memory at %d tokens of context", request.request_id, context)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # what the failed step held, back to the driver
+                torch.cuda.empty_cache()  # what the failed step and the kept prompts held, back to the driver
             raise DeviceMemoryError(
                 f"the device ran out of memory at {context} tokens of context (the KV cache grows with it); "
                 "a shorter conversation fits, or start the server with a smaller --expert-cache-gb or "
@@ -317,6 +335,12 @@ class Engine:
         if self._eamc_saver and time.monotonic() - self._eamc_saved_at >= EAMC_SAVE_INTERVAL_S:
             self._eamc_saver.save_if_changed()
             self._eamc_saved_at = time.monotonic()
+
+    def _keep_prefix(self, tokens: list[int], kv: Cache | None) -> None:
+        """Between steps the KV cache holds the first of `tokens` (not those still to be fed):
+        kept for a later prompt that starts the same way."""
+        if self.prefix_cache is not None and kv is not None:
+            self.prefix_cache.put(tokens[: kv.get_seq_length()], kv)
 
     def _forward(self, input_ids: torch.Tensor, kv: Cache | None) -> tuple[torch.Tensor, Cache]:
         out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
@@ -342,6 +366,8 @@ class Engine:
         counters["eamc_entries"] = _eamc_size(self.runtime.policy)
         counters["prefetch_failures"] = self.runtime.prefetcher.failures if self.runtime.prefetcher else 0
         counters["trace_write_failures"] = self.runtime.recorder.failures if self.runtime.recorder else 0
+        counters["prompt_tokens"] = self.prompt_tokens
+        counters["prompt_tokens_cached"] = self.prompt_tokens_cached
         return counters
 
     def cache_info(self) -> dict:

@@ -152,6 +152,9 @@ FLAGS: tuple[Flag, ...] = (
          "across restarts (sparsity-aware only)", "FILE",
          default_text="one file per model under the per-user state folder"),
     Flag("--eamc-capacity", EngineConfig, int, "how many expert activation matrices the EAMC keeps (sparsity-aware only)", "N"),
+    Flag("--prefix-cache", EngineConfig, int, "KV caches of finished requests kept for reuse: a prompt that starts "
+         "like one of them (a chat's next turn, a regenerated answer) skips the prefill of that part; they share "
+         "one context's KV memory with the running request; 0 turns reuse off", "N"),
     Flag("--record-trace", EngineConfig, str, "append every request's expert routing to FILE "
          "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
     Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` on every endpoint "

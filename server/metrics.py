@@ -36,6 +36,9 @@ CACHE_METRICS = {
     "prefetch_failures": ("moe_expert_prefetch_failures", "Prefetches that failed (e.g. a disk read); serving went on"),
     "trace_write_failures": ("moe_trace_write_failures", "Requests whose --record-trace line could not be written"),
     "eamc_entries": ("moe_eamc_entries", "Expert activation matrices held in the EAMC"),
+    "prompt_tokens": ("moe_prompt_tokens", "Prompt tokens of the requests run"),
+    "prompt_tokens_cached": ("moe_prompt_tokens_cached", "Prompt tokens read from a kept KV cache (--prefix-cache), "
+                             "not computed"),
 }
 GAUGES = {"eamc_entries"}
 

@@ -76,8 +76,8 @@ def test_gain_needs_a_host_faster_than_two_copies():
 def test_host_computed_experts_give_transformers_tokens(family, tmp_path, monkeypatch):
     folder = build_checkpoint(family, tmp_path / family, num_layers=3)
 
-    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0):
-        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0, context=None):
+        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device)), None
 
     monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
     engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))
@@ -100,8 +100,8 @@ def test_a_miss_shared_by_host_and_device_gives_transformers_tokens(family, tmp_
     "device" (host tensors here, the CUDA code path but for the streams) the rest."""
     folder = build_checkpoint(family, tmp_path / family, num_layers=3)
 
-    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0):
-        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0, context=None):
+        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device)), None
 
     monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
     engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=False))

@@ -137,8 +137,8 @@ def test_quantized_experts_computed_on_the_host_give_the_tokens_of_the_slots(gpt
     prompt_ids = in_slots.encode(PROMPT)
     want = greedy(in_slots, prompt_ids)
 
-    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0):
-        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device))
+    def slots_as_if_on_a_device(host, sizing, device, policy, num_layers, dense_bytes=0, context=None):
+        return ExpertCache(4, policy, CacheStats(num_layers), SlotBackend(host, 4, device)), None
 
     monkeypatch.setattr(model_loader, "_expert_cache", slots_as_if_on_a_device)
     on_host = _engine(gpt_oss_folder, expert_dtype="int4", prefetch=False)

@@ -1,0 +1,101 @@
+"""A multi-turn chat with and without reusing the last turn's KV cache (`--prefix-cache`).
+
+    python -m bench.prefix_reuse [--conversations 3] [--turns 4] [--tokens 48] [--cache-experts N]
+
+Each conversation is run twice on one demo-model engine, reuse on and off alternated, with
+greedy answers: the answers must match, and per turn the time to the first token (the prefill),
+the prompt tokens reused and the expert misses of the prefill are reported (with `--cache-experts`
+below the demo's 240; on CPU the default cache holds them all). `--title-task` puts an
+Open WebUI-like background request (a title for the chat so far) between turns, as the chat UI
+does with its task model, to show that the chat's own entry survives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from bench.prompts import TOPICS
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.prefix_cache import PrefixCache
+
+FOLLOW_UPS = ["Tell me more about that.", "Can you give an example?", "Why is that important?",
+              "Summarise what you said in one sentence.", "What is a common misconception about it?"]
+TITLE_TASK = "### Task:\nGenerate a concise, 3-5 word title for the chat below.\n### Chat History:\n{history}"
+
+
+def run_turn(engine: Engine, messages: list[dict], tokens: int) -> dict:
+    prompt = engine.apply_chat_template(messages)
+    params = SamplingParams(max_tokens=tokens, temperature=0)
+    before, prefill_misses = engine.cache_counters()["misses"], None
+    ids, usage = [], None
+    for event in engine.generate(GenerationRequest("turn", prompt, params)):
+        prefill_misses = engine.cache_counters()["misses"] - before if prefill_misses is None else prefill_misses
+        ids += event.token_ids
+        usage = event.usage or usage
+    times = engine.last_times
+    return {"prompt_tokens": len(prompt), "cached_tokens": usage.cached_tokens,
+            "ttft_ms": 1000 * (times.first_token - times.start), "answer": engine.decode(ids),
+            "prefill_misses": prefill_misses}  # fmt: skip
+
+
+def conversation(engine: Engine, topic: str, turns: int, tokens: int, title_task: bool) -> list[dict]:
+    messages, results = [], []
+    for turn in range(turns):
+        question = f"Explain {topic} briefly." if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
+        messages.append({"role": "user", "content": question})
+        result = run_turn(engine, messages, tokens)
+        messages.append({"role": "assistant", "content": result["answer"]})
+        results.append(result)
+        if title_task:
+            history = "\n".join(f"{m['role'].upper()}: {m['content']}" for m in messages)
+            run_turn(engine, [{"role": "user", "content": TITLE_TASK.format(history=history)}], 12)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--cache-experts", type=int, default=None, help="expert cache size (default: all)")
+    parser.add_argument("--title-task", action="store_true")
+    parser.add_argument("--entries", type=int, default=4, help="--prefix-cache of the run with reuse")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    engine = Engine.load(EngineConfig(device="cpu", expert_cache_experts=args.cache_experts,
+                                      prefix_cache=args.entries))
+    reuse = engine.prefix_cache
+    rows = {"on": [], "off": []}
+    same = True
+    for c in range(args.conversations):
+        topic = TOPICS[c % len(TOPICS)]
+        for mode in (("on", "off") if c % 2 == 0 else ("off", "on")):  # alternated against machine drift
+            engine.prefix_cache = PrefixCache(args.entries, engine.max_model_len) if mode == "on" else None
+            rows[mode].append(conversation(engine, topic, args.turns, args.tokens, args.title_task))
+        same &= [t["answer"] for t in rows["on"][-1]] == [t["answer"] for t in rows["off"][-1]]
+    engine.prefix_cache = reuse
+    total = engine.runtime.num_layers * engine.runtime.num_experts
+    summary = {"same_answers": same, "setup": vars(args) | {"cache_experts": engine.runtime.cache.capacity,
+                                                           "total_experts": total}}
+    for turn in range(args.turns):
+        on = [conv[turn] for conv in rows["on"]]
+        off = [conv[turn] for conv in rows["off"]]
+        summary[f"turn {turn + 1}"] = {
+            "prompt_tokens": statistics.median(t["prompt_tokens"] for t in on),
+            "cached_tokens": statistics.median(t["cached_tokens"] for t in on),
+            "ttft_ms_off": statistics.median(t["ttft_ms"] for t in off),
+            "ttft_ms_on": statistics.median(t["ttft_ms"] for t in on),
+            "prefill_misses_off": statistics.median(t["prefill_misses"] for t in off),
+            "prefill_misses_on": statistics.median(t["prefill_misses"] for t in on),
+        }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""KV caches of recent requests, kept for a later prompt that starts the same way.
+
+A chat client sends the whole conversation each turn, so the next turn's prompt begins with
+the last turn's prompt and answer. Reusing their KV cache skips that prefill, which with
+offloaded experts is the slow part of a long conversation's first token (every expert the
+prompt touches must be on the device). Entries are whole KV caches of finished requests,
+matched by their token ids (llama.cpp's prompt cache and slots work the same way).
+
+Memory: entries and the running request together hold at most `budget_tokens` of KV cache
+(the context the server was sized for); the running request takes precedence, so entries are
+dropped, least recently used first, as it grows.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_REUSE_TOKENS = 16  # below this the prefill saved is less than the bookkeeping
+TAKE_FRACTION = 0.5  # an entry whose prefix is reused by at least this share is moved, else copied
+
+
+@dataclass
+class Entry:
+    tokens: list[int]  # the ids whose keys and values `kv` holds, in order
+    kv: Cache
+
+
+def reusable(kv: Cache | None) -> bool:
+    """Only full-attention layers can be cut back to a prefix: a sliding window has dropped its
+    oldest tokens, a linear-attention state cannot be rewound (a family's own cache class, such
+    as MiniMax's, holds such state too)."""
+    return (type(kv) is DynamicCache and bool(kv.layers)
+            and all(type(layer) is DynamicLayer for layer in kv.layers))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int, budget_tokens: int) -> None:
+        self.max_entries = max_entries
+        self.budget_tokens = budget_tokens
+        self._entries: list[Entry] = []  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self._entries)
+
+    def take(self, prompt: list[int]) -> tuple[Cache | None, int]:
+        """A KV cache holding the longest cached prefix of `prompt` (at most all but its last token,
+        whose logits the step needs), and that prefix's length; (None, 0) when none is worth it.
+
+        An entry mostly reused (a conversation's next turn, a regenerated answer) is moved out and
+        cut to the prefix; one reused only in part (a shared system prompt) is copied, so the
+        conversation it holds stays for its own next turn."""
+        best, reuse = None, 0
+        for entry in self._entries:
+            n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+            if n > reuse:
+                best, reuse = entry, n
+        if best is None or reuse < MIN_REUSE_TOKENS:
+            return None, 0
+        if reuse >= TAKE_FRACTION * len(best.tokens) or reuse >= TAKE_FRACTION * len(prompt):
+            self._entries.remove(best)
+            best.kv.crop(reuse - len(best.tokens))  # a negative count: the tokens to drop from the end
+            return best.kv, reuse
+        return _prefix_copy(best.kv, reuse), reuse
+
+    def put(self, tokens: list[int], kv: Cache | None) -> None:
+        """Keep a finished request's KV cache (`tokens`: the ids it holds). An entry that is a
+        prefix of it adds nothing and goes."""
+        if not tokens or not reusable(kv) or kv.get_seq_length() != len(tokens):
+            return
+        self._entries = [e for e in self._entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
+        self._entries.append(Entry(list(tokens), kv))
+        del self._entries[: max(0, len(self._entries) - self.max_entries)]
+        self.make_room(0)
+
+    def make_room(self, running_tokens: int) -> None:
+        """Drop entries, least recently used first, until they fit beside a running request's
+        `running_tokens` within the budget."""
+        while self._entries and self.cached_tokens + running_tokens > self.budget_tokens:
+            self._entries.pop(0)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _prefix_copy(kv: Cache, tokens: int) -> Cache:
+    """A new cache with the first `tokens` positions of `kv` (full-attention layers only)."""
+    out = copy.copy(kv)
+    out.layers = []
+    for layer in kv.layers:
+        part = copy.copy(layer)
+        part.keys = layer.keys[..., :tokens, :].clone()  # [B, heads, T, D]
+        part.values = layer.values[..., :tokens, :].clone()
+        out.layers.append(part)
+    return out

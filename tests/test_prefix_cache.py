@@ -1,0 +1,156 @@
+"""A later prompt that starts like an earlier request (a chat's next turn, a regenerated answer)
+reuses that request's KV cache: the same greedy tokens as transformers, only the new part computed,
+and the kept caches bounded by one context's worth of tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
+from tests.fixtures.models import FAMILIES, build_checkpoint, reference_greedy
+
+NEW_TOKENS = 10
+
+
+def kv_of(tokens: list[int], layers: int = 2) -> DynamicCache:
+    """A cache whose keys at position t hold t, so a cut or a copy can be read back."""
+    kv = DynamicCache()
+    positions = torch.tensor(tokens, dtype=torch.float32)[None, None, :, None].expand(1, 2, -1, 4)  # [B, heads, T, D]
+    for layer in range(layers):
+        kv.update(positions.clone(), -positions.clone(), layer)
+    return kv
+
+
+def held(kv: DynamicCache) -> list[int]:
+    return kv.layers[0].keys[0, 0, :, 0].int().tolist()
+
+
+CONVERSATION = list(range(100, 160))  # 60 tokens: a turn's prompt and answer
+
+
+def test_a_next_turn_moves_the_entry_out_cut_to_the_shared_prefix():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    next_turn = CONVERSATION[:55] + [1, 2, 3]  # the answer re-tokenized differently from token 55
+    kv, reused = cache.take(next_turn)
+    assert reused == 55
+    assert held(kv) == CONVERSATION[:55]
+    assert len(cache) == 0  # the running request owns it now
+
+
+def test_the_prompt_s_last_token_is_always_computed():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    kv, reused = cache.take(CONVERSATION)  # the same prompt again: its logits are still needed
+    assert reused == len(CONVERSATION) - 1
+    assert kv.get_seq_length() == reused
+
+
+def test_a_short_shared_part_is_copied_and_the_conversation_stays():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    system_prompt_only = CONVERSATION[:20] + list(range(1000, 1060))  # 20 of 60 and of 80: under half
+    kv, reused = cache.take(system_prompt_only)
+    assert reused == 20
+    assert held(kv) == CONVERSATION[:20]
+    kv.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)  # the copy grows on its own
+    assert len(cache) == 1
+    kv_again, reused_again = cache.take(CONVERSATION + [7])
+    assert reused_again == len(CONVERSATION)
+    assert held(kv_again) == CONVERSATION
+
+
+def test_too_short_a_match_is_not_reused():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    assert cache.take(CONVERSATION[: MIN_REUSE_TOKENS - 1] + [1, 2]) == (None, 0)
+    assert cache.take([5] + CONVERSATION) == (None, 0)
+    assert len(cache) == 1
+
+
+def test_the_longest_match_wins_and_an_entry_inside_another_goes():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    other = list(range(500, 540))
+    cache.put(other, kv_of(other))
+    cache.put(CONVERSATION[:30], kv_of(CONVERSATION[:30]))
+    cache.put(CONVERSATION, kv_of(CONVERSATION))  # holds the 30-token one: that one goes
+    assert len(cache) == 2
+    kv, reused = cache.take(CONVERSATION + [1])
+    assert reused == len(CONVERSATION)
+
+
+def test_entries_are_dropped_least_recently_used_first_by_count_and_by_budget():
+    cache = PrefixCache(max_entries=2, budget_tokens=100)
+    prompts = [list(range(1000 * i, 1000 * i + 40)) for i in range(1, 4)]
+    for prompt in prompts:
+        cache.put(prompt, kv_of(prompt))
+    assert len(cache) == 2 and cache.take(prompts[0] + [1]) == (None, 0)  # the oldest went
+    cache.make_room(running_tokens=50)  # 80 kept + 50 running > 100: the older of the two goes
+    assert len(cache) == 1 and cache.take(prompts[1] + [1]) == (None, 0)
+    assert cache.take(prompts[2] + [1])[1] == 40
+
+
+def test_a_cache_that_does_not_hold_exactly_the_given_tokens_is_not_kept():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    kv = kv_of(CONVERSATION)
+    cache.put(CONVERSATION[:-1], kv)  # does not say what the cache holds
+    cache.put(CONVERSATION, None)
+    assert len(cache) == 0
+
+
+# -- through the engine ----------------------------------------------------------------------------
+def greedy(engine: Engine, prompt: list[int]):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    events = list(engine.generate(GenerationRequest("turn", prompt, params)))
+    return [t for e in events for t in e.token_ids], events[-1].usage
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss", "qwen3_next"])
+def test_a_next_turn_reuses_the_last_one_and_writes_the_tokens_transformers_writes(tmp_path, family):
+    folder = build_checkpoint(family, tmp_path / family)
+    trace = tmp_path / "trace.jsonl"
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", record_trace=str(trace)))
+    first_prompt = list(range(5, 45))
+    answer, usage = greedy(engine, first_prompt)
+    assert usage.cached_tokens == 0
+    next_prompt = first_prompt + answer + list(range(50, 70))
+    tokens, usage = greedy(engine, next_prompt)
+    assert tokens == reference_greedy(folder, next_prompt, NEW_TOKENS)
+    computed = len(next_prompt) - usage.cached_tokens
+    if family in ("gpt_oss", "qwen3_next"):  # a sliding window, linear attention: nothing to cut back
+        assert usage.cached_tokens == 0
+    else:
+        assert usage.cached_tokens == len(first_prompt) + NEW_TOKENS - 1  # the last answer token was not fed back
+        assert engine.cache_counters()["prompt_tokens_cached"] == usage.cached_tokens
+    engine.close()
+    second = json.loads(trace.read_text().splitlines()[2])
+    assert len(second["prefill"]) == computed  # the trace holds what was computed
+
+
+def test_reuse_off_computes_every_prompt_token(tmp_path):
+    folder = build_checkpoint("mixtral", tmp_path / "m")
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefix_cache=0))
+    prompt = list(range(5, 45))
+    greedy(engine, prompt)
+    assert greedy(engine, prompt)[1].cached_tokens == 0
+    assert engine.prefix_cache is None
+
+
+def test_an_aborted_request_leaves_what_it_computed_for_the_retry(tmp_path):
+    folder = build_checkpoint("qwen3_moe", tmp_path / "q")
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+    prompt = list(range(5, 45))
+    steps = iter(range(100))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    events = list(engine.generate(GenerationRequest("a", prompt, params), should_abort=lambda: next(steps) >= 3))
+    assert events[-1].finish_reason == "abort"
+    tokens, usage = greedy(engine, prompt)  # the client retries
+    assert usage.cached_tokens == len(prompt) - 1
+    assert tokens == reference_greedy(folder, prompt, NEW_TOKENS)
