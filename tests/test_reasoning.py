@@ -311,12 +311,12 @@ def test_reasoning_tokens_count_the_tokens_up_to_the_end_of_the_thinking(thinkin
     assert unclosed.usage.completion_tokens_details.reasoning_tokens == len(greedy)
 
 
-def test_reasoning_tokens_are_left_out_without_a_reasoning_parser(thinking_server):
+def test_reasoning_tokens_are_0_with_thinking_off_and_left_out_where_no_parser_reads(thinking_server):
     import httpx
 
     response = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=30, json={
-        "messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}).json()
-    assert response["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0  # the parser reads: none
+        "messages": ASK, **GREEDY, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}  # read, and none found
     plain = httpx.post(f"{thinking_server.url}/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})
     assert "completion_tokens_details" not in plain.json()["usage"]  # completions are not read for thinking
 
