@@ -1,7 +1,7 @@
 """OpenAI wire types (requests, responses, stream chunks, errors), in the shapes OpenAI uses.
 
 Requests ignore fields they do not know (clients send many; each is logged), but fields we
-know and cannot honour (`n` > 1, `echo`, ...) are refused with a 400 that names them.
+know and cannot honour (`echo`, `best_of` > 1, ...) are refused with a 400 that names them.
 `to_sampling_params()` is the only way a request reaches the engine. What `tools` and
 `response_format` mean is decided in server/tools.py and server/structured.py.
 """
@@ -30,6 +30,7 @@ def now() -> int:
 
 MAX_MESSAGES = 4096  # per chat request; also content parts per message
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_N = 16  # choices per request: each is a whole generation, run one after another
 
 
 class OpenAIBaseModel(BaseModel):
@@ -144,9 +145,13 @@ class SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     n: int | None = 1
 
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         """(param, refused?, why) for each field we know but cannot honour."""
-        return [("n", self.n not in (None, 1), "only n=1 is supported")]
+        return []
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -160,6 +165,8 @@ class SamplingRequest(OpenAIBaseModel):
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the model's values for the fields the request leaves out."""
+        if not 1 <= self.num_choices <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
         for param, refused, why in self._unsupported():
             if refused:
                 raise InvalidRequestError(f"'{param}' is not supported by this server: {why}", param=param)
@@ -373,10 +380,16 @@ class AssistantMessage(ResponseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(ResponseModel):
+    _omit_unless_given = frozenset({"completion_tokens_details"})  # only where a reasoning parser read the output
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ChatCompletionChoice(ResponseModel):

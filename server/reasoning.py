@@ -51,13 +51,19 @@ class ThinkStream:
     def __init__(self, opened_in_prompt: bool) -> None:
         self._state = "reasoning-start" if opened_in_prompt else "start"
         self._buffer = ""
+        self._fed = 0  # characters fed so far; those read are `_fed - len(_buffer)`
+        self.reasoning_end: int | None = None  # where the thinking ended in the text fed, `</think>` included
 
     def feed(self, text: str) -> list[Part]:
         self._buffer += text
+        self._fed += len(text)
         return self._drain(final=False)
 
     def finish(self) -> list[Part]:
-        return self._drain(final=True)
+        out = self._drain(final=True)
+        if self._state in ("reasoning-start", "reasoning"):  # never closed: all of it was thinking
+            self.reasoning_end = self._fed
+        return out
 
     def _drain(self, final: bool) -> list[Part]:
         out: list[Part] = []
@@ -82,6 +88,7 @@ class ThinkStream:
                 self._buffer = self._buffer[len(ready):]
                 return out
             _add_reasoning(out, self._buffer[:end].rstrip())
+            self.reasoning_end = self._fed - len(self._buffer) + end + len(THINK_CLOSE)
             self._buffer, self._state = self._buffer[end + len(THINK_CLOSE):], "answer-start"
         if self._state == "answer-start":  # so are the blanks between `</think>` and the answer
             self._buffer = self._buffer.lstrip()
@@ -98,13 +105,18 @@ class HarmonyStream:
         self._buffer = ""
         self._kind: str | None = None  # in a message body: "reasoning", "answer" or "call"; None: in a header
         self._call = ""  # the tool-call message read so far, header included
+        self._fed = 0  # characters fed so far
+        self.reasoning_end: int | None = None  # where the last analysis message ended, its terminator included
 
     def feed(self, text: str) -> list[Part]:
         self._buffer += text
+        self._fed += len(text)
         return self._drain(final=False)
 
     def finish(self) -> list[Part]:
         out = self._drain(final=True)
+        if self._kind == "reasoning":  # an analysis message cut off: thinking to the end
+            self.reasoning_end = self._fed
         if self._call:  # ended without a terminator (`<|call|>` is a stop token)
             out.append(self._call)
             self._call = ""
@@ -123,6 +135,8 @@ class HarmonyStream:
                 return out
             terminator = next(t for t in HARMONY_TERMINATORS if self._buffer.startswith(t, at))
             self._body(out, self._buffer[:at])
+            if self._kind == "reasoning":
+                self.reasoning_end = self._fed - len(self._buffer) + at + len(terminator)
             if self._kind == "call":
                 out.append(self._call + terminator)
                 self._call = ""
@@ -190,6 +204,34 @@ class OutputReader:
         return out
 
 
+class ReasoningTokens:
+    """Counts the generated tokens that were thinking (usage's `reasoning_tokens`), as they arrive.
+
+    A token is thinking when its text starts before the end of the reasoning in the output, markers
+    included (`<think>`, `</think>`, a GPT-OSS analysis message's header and `<|end|>`): so a token that
+    holds the end of `</think>` and the start of the answer counts as thinking. Tokens whose text comes
+    out together (held back for a possible stop string) share where that text starts."""
+
+    def __init__(self, stream: ThinkStream | HarmonyStream) -> None:
+        self._stream = stream
+        self._starts: list[tuple[int, int]] = []  # (where the text of a step starts, its tokens)
+        self._fed = 0
+        self._count: int | None = None
+
+    def add(self, text: str, tokens: int) -> None:
+        self._starts.append((self._fed, tokens))
+        self._fed += len(text)
+        self._stream.feed(text)
+
+    def count(self) -> int:
+        """Once the output is whole."""
+        if self._count is None:
+            self._stream.finish()
+            end = self._stream.reasoning_end
+            self._count = 0 if end is None else sum(tokens for start, tokens in self._starts if start < end)
+        return self._count
+
+
 def _add_reasoning(out: list[Part], text: str) -> None:
     if text:
         out.append(Reasoning(text))
@@ -211,6 +253,11 @@ class ReasoningPlan:
         if self.format == "harmony":
             return HarmonyStream()
         return None
+
+    def token_counter(self) -> ReasoningTokens | None:
+        """None where the output is not read for reasoning (usage then has no reasoning count)."""
+        stream = self.stream()
+        return ReasoningTokens(stream) if stream is not None else None
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         if self.needs_special_tokens:

@@ -61,7 +61,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
     fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan,
                      reasoning_plan=reasoning)
     request = GenerationRequest(fmt.id, prompt, params)
-    response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
+    response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
     if plan.warning:
         log.warning("request %s: %s", fmt.id, plan.warning)
         response.headers[WARNING_HEADER] = plan.warning
@@ -77,7 +77,7 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
     prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
     fmt = CompletionFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=body.logprobs is not None)
     request = GenerationRequest(fmt.id, prompt_ids, params)
-    return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage)
+    return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
 
 
 def _card(raw: Request, engine) -> p.ModelCard:

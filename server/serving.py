@@ -1,7 +1,8 @@
 """Runs one OpenAI request through the engine: streamed as SSE or collected into one response.
 
-`Submission` hands the request to the `EngineClient`; `ChatFormat` and `CompletionFormat`
-turn engine events into OpenAI objects; `Serving` drives the two and records metrics.
+`Submission` hands one generation to the `EngineClient`; `Choices` are the n generations of a
+request (`n`), run one after another; `ChatFormat` and `CompletionFormat` turn engine events into
+OpenAI objects; `Serving` drives them and records metrics.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 from fastapi import Request
@@ -30,7 +31,7 @@ from engine.api import (
 from server import protocol as p
 from server.errors import APIError, to_api_error
 from server.metrics import ABORTED, ERROR, OK, ServerMetrics
-from server.reasoning import OutputReader, Reasoning, ReasoningPlan
+from server.reasoning import OutputReader, Reasoning, ReasoningPlan, ReasoningTokens
 from server.scheduling import Scheduler, Ticket
 from server.tool_parsers import ToolCall
 from server.tools import ToolPlan
@@ -42,6 +43,8 @@ CLEANUP_TIMEOUT_S = 5
 SHUTDOWN_GRACE_S = 3  # after the drain: for aborted streams to end with an error event and [DONE]
 DRAIN_TIMEOUT_S = 20.0  # on shutdown, what running requests get to finish (--drain-timeout)
 DRAIN_POLL_S = 0.1
+FINISHED = ("stop", "length")
+SEED_MODULUS = 2**64  # torch reads a seed modulo 2**64 (a negative one too)
 
 
 class Submission:
@@ -56,7 +59,11 @@ class Submission:
     async def start(cls, client, request: GenerationRequest) -> Submission:
         """Raises the engine's refusals (400, 503) before any byte of the response is sent."""
         submission = cls(client, request)
-        await asyncio.sleep(0)  # generate() validates and enqueues before its first suspension
+        try:
+            await asyncio.sleep(0)  # generate() validates and enqueues before its first suspension
+        except asyncio.CancelledError:  # the client left as a later choice was handed over: it never runs
+            submission.abort()
+            raise
         if submission._first.done() and submission._first.exception() is not None:
             raise submission._first.exception()
         return submission
@@ -89,27 +96,62 @@ async def _next(events: AsyncIterator[GenerationEvent]) -> GenerationEvent | Non
         return None
 
 
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """One engine request per choice. Choice 0 is the request as sent (so n=1 is unchanged); choice i
+    samples with seed + i (modulo 2**64), so each choice repeats and no two share their draws; without
+    a seed every choice draws its own."""
+    def choice(i: int) -> GenerationRequest:
+        seed = request.params.seed
+        params = replace(request.params, seed=None if seed is None else (seed + i) % SEED_MODULUS)
+        return replace(request, request_id=f"{request.request_id}-{i}", params=params)
+
+    return [request] + [choice(i) for i in range(1, n)]
+
+
+@dataclass
+class Choices:
+    """The n choices of one request, generated one after another (the engine runs one request at a
+    time). `current` is the one handed to the engine last: what a disconnect, the drain or a
+    preemption stops, and what is closed at the end."""
+
+    requests: list[GenerationRequest]
+    current: Submission
+
+    def abort(self) -> None:
+        """The engine ends the running choice with "abort"; a finished one is left as it is."""
+        self.current.client.abort(self.current.request_id)
+
+
 @dataclass
 class Outcome:
-    """What a finished request produced, collected from its events."""
+    """What a finished generation (one choice) produced, collected from its events."""
 
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    reasoning: ReasoningTokens | None = None  # where a reasoning parser reads the output
 
     def add(self, event: GenerationEvent) -> None:
         self.text += event.text
         self.logprobs.extend(event.logprobs)
+        if self.reasoning is not None:
+            self.reasoning.add(event.text, len(event.token_ids))
         if event.finish_reason is not None:
             self.finish_reason, self.usage = event.finish_reason, event.usage
 
 
-def usage_info(usage: Usage | None) -> p.UsageInfo:
-    if usage is None:
-        return p.UsageInfo()
-    return p.UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                       total_tokens=usage.total_tokens)
+def usage_info(outcomes: list[Outcome]) -> p.UsageInfo:
+    """The prompt once (every choice reads the same one; OpenAI counts it so) and every choice's completion."""
+    usages = [outcome.usage for outcome in outcomes if outcome.usage is not None]
+    prompt = usages[0].prompt_tokens if usages else 0
+    completion = sum(usage.completion_tokens for usage in usages)
+    details = {}
+    if outcomes and outcomes[0].reasoning is not None:
+        reasoning = sum(outcome.reasoning.count() for outcome in outcomes)
+        details["completion_tokens_details"] = p.CompletionTokensDetails(reasoning_tokens=reasoning)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       **details)
 
 
 @dataclass
@@ -122,16 +164,24 @@ class ChatFormat:
     created: int = field(default_factory=p.now)
     tool_plan: ToolPlan = field(default_factory=ToolPlan)
     reasoning_plan: ReasoningPlan = field(default_factory=ReasoningPlan)
+    index: int = 0  # the choice this formats
 
     def __post_init__(self) -> None:
         self._reader = self._new_reader()  # reads reasoning and tool calls out of the streamed text
+
+    def choice(self, index: int) -> ChatFormat:
+        """The format of choice `index`: the same response, its own reader."""
+        return replace(self, index=index)
+
+    def outcome(self) -> Outcome:
+        return Outcome(reasoning=self.reasoning_plan.token_counter())
 
     def _new_reader(self) -> OutputReader | None:
         reasoning, calls = self.reasoning_plan.stream(), self.tool_plan.stream()
         return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
 
     def _chunk(self, delta: p.DeltaMessage, logprobs=None, finish_reason=None) -> p.ChatCompletionStreamResponse:
-        choice = p.ChatCompletionStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        choice = p.ChatCompletionStreamChoice(index=self.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return p.ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                               system_fingerprint=self.fingerprint, choices=[choice])
 
@@ -163,19 +213,22 @@ class ChatFormat:
             chunks.append(self._chunk(p.DeltaMessage(), logprobs))
         return chunks
 
-    def usage(self, usage: Usage | None) -> BaseModel:
+    def usage(self, outcomes: list[Outcome]) -> BaseModel:
         return p.ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                               system_fingerprint=self.fingerprint, choices=[],
-                                              usage=usage_info(usage))
+                                              usage=usage_info(outcomes))
 
-    def response(self, outcome: Outcome) -> BaseModel:
+    def response(self, outcomes: list[Outcome]) -> BaseModel:
+        choices = [self.choice(index)._whole(outcome) for index, outcome in enumerate(outcomes)]
+        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
+                                        system_fingerprint=self.fingerprint, choices=choices,
+                                        usage=usage_info(outcomes))
+
+    def _whole(self, outcome: Outcome) -> p.ChatCompletionChoice:
         logprobs = p.ChatChoiceLogprobs.of(outcome.logprobs) if self.want_logprobs else None
         reader = self._new_reader()
-        choice = p.ChatCompletionChoice(index=0, message=_message(outcome.text, reader), logprobs=logprobs,
-                                        finish_reason=_finish_reason(outcome.finish_reason, reader))
-        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                        system_fingerprint=self.fingerprint, choices=[choice],
-                                        usage=usage_info(outcome.usage))
+        return p.ChatCompletionChoice(index=self.index, message=_message(outcome.text, reader), logprobs=logprobs,
+                                      finish_reason=_finish_reason(outcome.finish_reason, reader))
 
 
 def _call_deltas(call: ToolCall) -> list[p.DeltaToolCall]:
@@ -215,9 +268,16 @@ class CompletionFormat:
     want_logprobs: bool
     id: str = field(default_factory=lambda: p.random_id("cmpl"))
     created: int = field(default_factory=p.now)
+    index: int = 0  # the choice this formats
+
+    def choice(self, index: int) -> CompletionFormat:
+        return replace(self, index=index)
+
+    def outcome(self) -> Outcome:
+        return Outcome()
 
     def _chunk(self, text: str, logprobs=None, finish_reason=None) -> p.CompletionStreamResponse:
-        choice = p.CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        choice = p.CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=finish_reason)
         return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                           system_fingerprint=self.fingerprint, choices=[choice])
 
@@ -231,18 +291,21 @@ class CompletionFormat:
     def finish(self, finish_reason: str) -> list[BaseModel]:
         return [self._chunk("", finish_reason=finish_reason)]
 
-    def usage(self, usage: Usage | None) -> BaseModel:
+    def usage(self, outcomes: list[Outcome]) -> BaseModel:
         return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                           system_fingerprint=self.fingerprint, choices=[],
-                                          usage=usage_info(usage))
+                                          usage=usage_info(outcomes))
 
-    def response(self, outcome: Outcome) -> BaseModel:
-        logprobs = p.CompletionLogprobs.of(outcome.logprobs, 0) if self.want_logprobs else None
-        choice = p.CompletionChoice(index=0, text=outcome.text, logprobs=logprobs,
-                                    finish_reason=outcome.finish_reason)
+    def response(self, outcomes: list[Outcome]) -> BaseModel:
+        choices = [self.choice(index)._whole(outcome) for index, outcome in enumerate(outcomes)]
         return p.CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                    system_fingerprint=self.fingerprint, choices=[choice],
-                                    usage=usage_info(outcome.usage))
+                                    system_fingerprint=self.fingerprint, choices=choices,
+                                    usage=usage_info(outcomes))
+
+    def _whole(self, outcome: Outcome) -> p.CompletionChoice:
+        logprobs = p.CompletionLogprobs.of(outcome.logprobs, 0) if self.want_logprobs else None
+        return p.CompletionChoice(index=self.index, text=outcome.text, logprobs=logprobs,
+                                  finish_reason=outcome.finish_reason)
 
 
 Format = ChatFormat | CompletionFormat
@@ -253,7 +316,7 @@ def _json(model: BaseModel) -> str:
 
 
 def _check_finished(outcome: Outcome, shutting_down: bool = False) -> None:
-    if outcome.finish_reason in ("stop", "length"):
+    if outcome.finish_reason in FINISHED:
         return
     if shutting_down:  # "abort" or no final event
         raise APIError(503, "the server is shutting down", "server_error", code="server_shutdown")
@@ -263,6 +326,12 @@ def _check_finished(outcome: Outcome, shutting_down: bool = False) -> None:
 class Serving:
     """Drives requests through the engine client; shared by the chat and completion routes.
     The scheduler picks which request the engine runs next (streams first, see `scheduling`).
+
+    A request with n choices holds one ticket for all of them: it owns the engine from its first
+    choice to its last, as one long request would. A ticket per choice would let others in between
+    choices, but at batch size 1 that only reorders the same work, and a client waiting for all n
+    choices gains nothing from it; a stream still preempts a non-streamed request between or
+    during its choices (the running choice starts over, the finished ones are kept).
 
     On shutdown (`begin_drain`, or sse-starlette seeing the server stop) running requests get
     `drain_s` to finish; then they are aborted and answered 503 (a stream: an error event, [DONE]).
@@ -282,28 +351,32 @@ class Serving:
     def shutting_down(self) -> bool:
         return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
 
-    async def _abort_after_drain(self, submission: Submission, shutdown: anyio.Event | None = None) -> None:
+    async def _abort_after_drain(self, choices: Choices, shutdown: anyio.Event | None = None) -> None:
         while not self.shutting_down:
             if shutdown is not None and shutdown.is_set():
                 self.begin_drain()
             await asyncio.sleep(DRAIN_POLL_S)
-        submission.client.abort(submission.request_id)  # the engine ends it within a decode step
+        while True:  # the running choice, and any started after it: the engine ends each within a decode step
+            choices.abort()
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def run(self, raw: Request, fmt: Format, request: GenerationRequest, stream: bool,
-                  include_usage: bool = False) -> Response:
+                  include_usage: bool = False, n: int = 1) -> Response:
+        """`n`: the number of choices, each a generation of `request` (see `choice_requests`)."""
         timer = self.metrics.track()  # errors raised from here are counted by the error handlers
         with _prompt_errors(fmt):  # a bad request is answered at once, not after its turn
             self.client.engine.validate(request)
         ticket = await self.scheduler.acquire(streams=stream)
+        requests = choice_requests(request, n)
         try:
-            submission = await self._submit(request, fmt)
+            choices = Choices(requests, await self._submit(requests[0], fmt))
         except BaseException:
             self.scheduler.release(ticket)
             raise
         if not stream:
-            return await self._complete(raw, submission, fmt, timer, ticket)
+            return await self._complete(raw, choices, fmt, timer, ticket)
         shutdown = anyio.Event()  # set by sse-starlette when the server stops: the drain begins
-        events = self._stream(submission, fmt, include_usage, timer, shutdown, ticket)
+        events = self._stream(choices, fmt, include_usage, timer, shutdown, ticket)
         return EventSourceResponse(events, sep="\n", shutdown_event=shutdown,
                                    shutdown_grace_period=self.drain_s + SHUTDOWN_GRACE_S)
 
@@ -311,12 +384,25 @@ class Serving:
         with _prompt_errors(fmt):
             return await Submission.start(self.client, request)
 
-    async def _stream(self, submission: Submission, fmt: Format, include_usage: bool, timer,
+    async def _start_choice(self, choices: Choices, index: int, fmt: Format, ticket: Ticket) -> Submission:
+        """Choice `index` handed to the engine (the first was at the request's start)."""
+        if index > 0:
+            if ticket.preempted:  # a stream came while the previous choice ended: it goes first
+                await self._give_way(choices, ticket)
+            choices.current = await self._submit(choices.requests[index], fmt)
+        return choices.current
+
+    async def _give_way(self, choices: Choices, ticket: Ticket) -> None:
+        log.info("request %s gave way to a streamed request; its running choice starts again after it",
+                 choices.requests[0].request_id)
+        await self.scheduler.requeue(ticket)
+
+    async def _stream(self, choices: Choices, fmt: Format, include_usage: bool, timer,
                       shutdown: anyio.Event, ticket: Ticket) -> AsyncIterator[str]:
         status = ABORTED  # unless it ends below: the client went away
-        stopper = asyncio.ensure_future(self._abort_after_drain(submission, shutdown))
+        stopper = asyncio.ensure_future(self._abort_after_drain(choices, shutdown))
         try:
-            async for chunk in self._chunks(submission, fmt, include_usage, timer):
+            async for chunk in self._chunks(choices, fmt, include_usage, timer, ticket):
                 yield _json(chunk)
             status = OK
         except Exception as e:  # after the 200 went out: an error event, then [DONE]
@@ -324,37 +410,42 @@ class Serving:
             error = to_api_error(e)
             crash = error.code == "internal_error"
             log.log(logging.ERROR if crash else logging.WARNING, "stream %s failed: %s",
-                    submission.request_id, error.message, exc_info=crash)
+                    choices.current.request_id, error.message, exc_info=crash)
             yield error.body().model_dump_json()
         finally:
             stopper.cancel()
             timer.done(status)
-            await submission.close()
+            await choices.current.close()
             self.scheduler.release(ticket)
         yield "[DONE]"
 
-    async def _chunks(self, submission: Submission, fmt: Format, include_usage: bool,
-                      timer) -> AsyncIterator[BaseModel]:
-        for chunk in fmt.opening():
-            yield chunk
-        outcome, offset = Outcome(), 0
-        async for event in submission:
-            timer.observe(event)
-            if event.text or event.logprobs:
-                for chunk in fmt.delta(event, offset):
-                    yield chunk
-            offset += len(event.text)
-            outcome.add(event)
-        _check_finished(outcome, self.shutting_down)
-        for chunk in fmt.finish(outcome.finish_reason):
-            yield chunk
+    async def _chunks(self, choices: Choices, fmt: Format, include_usage: bool, timer,
+                      ticket: Ticket) -> AsyncIterator[BaseModel]:
+        outcomes = []
+        for index in range(len(choices.requests)):
+            submission = await self._start_choice(choices, index, fmt, ticket)
+            choice = fmt.choice(index)
+            for chunk in choice.opening():
+                yield chunk
+            outcome, offset = choice.outcome(), 0
+            async for event in submission:
+                timer.observe(event)
+                if event.text or event.logprobs:
+                    for chunk in choice.delta(event, offset):
+                        yield chunk
+                offset += len(event.text)
+                outcome.add(event)
+            _check_finished(outcome, self.shutting_down)
+            for chunk in choice.finish(outcome.finish_reason):
+                yield chunk
+            outcomes.append(outcome)
         if include_usage:
-            yield fmt.usage(outcome.usage)
+            yield fmt.usage(outcomes)
 
-    async def _complete(self, raw: Request, submission: Submission, fmt: Format, timer, ticket: Ticket) -> Response:
-        collect = asyncio.ensure_future(self._collect_in_turn(submission, fmt, timer, ticket))
+    async def _complete(self, raw: Request, choices: Choices, fmt: Format, timer, ticket: Ticket) -> Response:
+        collect = asyncio.ensure_future(self._collect_all(choices, fmt, timer, ticket))
         gone = asyncio.ensure_future(_wait_for_disconnect(raw))
-        stopper = asyncio.ensure_future(self._abort_after_drain(submission))  # ends `collect` with "abort"
+        stopper = asyncio.ensure_future(self._abort_after_drain(choices))  # ends `collect` with "abort"
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -368,25 +459,33 @@ class Serving:
             self.scheduler.release(ticket)
         if collect.cancelled():
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        outcome = collect.result()
-        _check_finished(outcome, self.shutting_down)
+        outcomes = collect.result()
+        for outcome in outcomes:
+            _check_finished(outcome, self.shutting_down)
         timer.done(OK)
-        return JSONResponse(fmt.response(outcome).model_dump(exclude_unset=True))
+        return JSONResponse(fmt.response(outcomes).model_dump(exclude_unset=True))
 
-    async def _collect_in_turn(self, submission: Submission, fmt: Format, timer, ticket: Ticket) -> Outcome:
-        """The outcome; a request preempted for a stream waits for its turn again and starts over."""
-        request_id = submission.request_id
+    async def _collect_all(self, choices: Choices, fmt: Format, timer, ticket: Ticket) -> list[Outcome]:
+        """Each choice's outcome, up to the first that did not finish (aborted: answered 503)."""
+        outcomes = []
+        for index in range(len(choices.requests)):
+            await self._start_choice(choices, index, fmt, ticket)
+            outcomes.append(await self._collect_in_turn(choices, fmt.choice(index), timer, ticket))
+            if outcomes[-1].finish_reason not in FINISHED:
+                break
+        return outcomes
+
+    async def _collect_in_turn(self, choices: Choices, fmt: Format, timer, ticket: Ticket) -> Outcome:
+        """The running choice's outcome; one preempted for a stream waits for its turn again and starts over."""
         while True:
-            ticket.preempt = lambda: self.client.abort(request_id)  # the engine ends it with "abort"
-            outcome = await self._collect(submission, timer)
-            if not ticket.preempted or outcome.finish_reason in ("stop", "length"):
+            ticket.preempt = choices.abort  # the engine ends it with "abort"
+            outcome = await self._collect(choices.current, fmt.outcome(), timer)
+            if not ticket.preempted or outcome.finish_reason in FINISHED:
                 return outcome
-            log.info("request %s gave way to a streamed request; it starts again", submission.request_id)
-            await self.scheduler.requeue(ticket)
-            submission = await self._submit(submission.request, fmt)
+            await self._give_way(choices, ticket)
+            choices.current = await self._submit(choices.current.request, fmt)
 
-    async def _collect(self, submission: Submission, timer) -> Outcome:
-        outcome = Outcome()
+    async def _collect(self, submission: Submission, outcome: Outcome, timer) -> Outcome:
         try:
             async for event in submission:
                 timer.observe(event)

@@ -1,6 +1,12 @@
 """Wire requests to SamplingParams: the model's defaults fill only what a request leaves out."""
 
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from dataclasses import replace
+
+import pytest
+
+from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
+from server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from server.serving import choice_requests
 
 CHAT = [{"role": "user", "content": "hi"}]
 MODEL_DEFAULTS = {"temperature": 0.2, "top_p": 0.5, "repetition_penalty": 1.1}
@@ -16,3 +22,25 @@ def test_without_model_defaults_the_openai_defaults_hold():
     params = ChatCompletionRequest(messages=CHAT).to_sampling_params()
     assert (params.temperature, params.top_p) == (1.0, 1.0)
     assert CompletionRequest(prompt="hi").to_sampling_params(MODEL_DEFAULTS).max_tokens == 16  # OpenAI's default
+
+
+@pytest.mark.parametrize("n, ok", [(None, True), (1, True), (MAX_N, True), (0, False), (MAX_N + 1, False)])
+def test_n_is_between_1_and_the_cap(n, ok):
+    request = ChatCompletionRequest(messages=CHAT, n=n)
+    if ok:
+        request.to_sampling_params()
+        assert request.num_choices == (n or 1)
+    else:
+        with pytest.raises(InvalidRequestError) as e:
+            request.to_sampling_params()
+        assert e.value.param == "n"
+
+
+def test_choice_i_samples_with_seed_plus_i_wrapped_into_the_seed_range():
+    request = GenerationRequest("cmpl-1", [1, 2], SamplingParams(seed=2**64 - 2, temperature=1.0))
+    choices = choice_requests(request, 3)
+    assert choices[0] is request  # n=1 is the request as sent
+    assert [c.params.seed for c in choices] == [2**64 - 2, 2**64 - 1, 0]  # torch reads seeds modulo 2**64
+    assert len({c.request_id for c in choices}) == 3
+    assert all(c.params.temperature == 1.0 and c.prompt_token_ids == [1, 2] for c in choices)
+    assert [c.params.seed for c in choice_requests(replace(request, params=SamplingParams()), 2)] == [None, None]

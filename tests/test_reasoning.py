@@ -15,6 +15,7 @@ from server.reasoning import (
     HarmonyStream,
     OutputReader,
     Reasoning,
+    ReasoningPlan,
     ThinkStream,
     detect_reasoning,
     plan_reasoning,
@@ -99,6 +100,37 @@ def test_reasoning_streams_as_it_is_written_not_at_its_end():
     assert shown == ["Add ", "two."]
 
 
+# (format, opened in the prompt, the output's steps: each a token's text, or (text, tokens) where
+# text held back for a stop string comes out with a later token, the reasoning tokens expected)
+TOKEN_CASES = [
+    ("think", False, ["<think>", "\n", "Add", " two", ".", "\n", "</think>", "\n\n", "It", " is", " 4."], 7),
+    ("think", True, ["Add", ".", "</think>", "4"], 3),
+    ("think", False, ["It", " is", " 4."], 0),
+    ("think", False, ["<think>", "Still", " thinking"], 3),  # max_tokens ran out while thinking
+    ("think", False, ["<think>", "</think>", "Hi"], 2),  # the markers are the thinking part
+    ("think", False, ["<think>", "Hm", "</thi", "nk>\n\nIt", " is 4"], 4),  # a token across the end: thinking
+    ("think", False, ["<think>", "Hm", ("", 1), ("</think>", 1), "It"], 4),  # `</th` held back, then out with `ink>`
+    ("think", False, ["<think>", "Hm", "</think>", ("", 1), ("It", 1)], 3),
+    ("think", False, ["Use", " <think>", " tags", "</think>"], 0),  # not at the start: not thinking
+    ("harmony", False, ["<|channel|>", "analysis", "<|message|>", "Think", "<|end|>", "<|start|>", "assistant",
+                        "<|channel|>", "final", "<|message|>", "Hi", "<|return|>"], 5),
+    ("harmony", False, ["<|channel|>analysis<|message|>", "Hm"], 2),
+    ("harmony", False, ["Plain", " text"], 0),
+]
+
+
+@pytest.mark.parametrize("fmt, opened, steps, expected", TOKEN_CASES)
+def test_reasoning_tokens_are_those_that_start_before_the_end_of_the_thinking(fmt, opened, steps, expected):
+    plan = ReasoningPlan(fmt, opened_in_prompt=opened)
+    counter = plan.token_counter()
+    for step in steps:
+        text, tokens = step if isinstance(step, tuple) else (step, 1)
+        counter.add(text, tokens)
+    assert counter.count() == expected
+    assert counter.count() == expected  # asked again: the same
+    assert ReasoningPlan().token_counter() is None  # no parser: no count
+
+
 THINK_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %}{{ content.split('</think>')[-1] }}"
 
 
@@ -168,6 +200,7 @@ def test_under_a_grammar_a_model_may_open_thinking_with_its_first_token():
 # -- a real server on a tiny Qwen3-style thinking model ------------------------------------------
 ASK = [{"role": "user", "content": "What is two plus two?"}]
 GREEDY = {"max_tokens": 12, "temperature": 0}
+THINKING_PROMPT = "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n<think>\n"  # ASK, templated
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +223,7 @@ def completion_text(server, prompt: str) -> str:
 def test_thinking_opened_by_the_template_comes_back_as_reasoning(thinking_server):
     client = thinking_server.openai()
     model = client.models.list().data[0].id
-    raw = completion_text(thinking_server, "<|im_start|>user\nWhat is two plus two?<|im_end|>\n"
-                                           "<|im_start|>assistant\n<think>\n")
+    raw = completion_text(thinking_server, THINKING_PROMPT)
     before, closed, after = raw.partition("</think>")
     expected = (before.strip(), after.lstrip() if closed else "")
 
@@ -228,6 +260,65 @@ def test_chat_template_kwargs_cannot_override_what_the_server_sets(thinking_serv
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "chat_template_kwargs" and "add_generation_prompt" in error["message"]
+
+
+def raw_tokens(client, model: str, **kwargs) -> list[str]:
+    """The tokens the chat request for ASK writes, read raw through /v1/completions (one string per token)."""
+    return client.completions.create(model=model, prompt=THINKING_PROMPT, logprobs=0, **kwargs,
+                                     extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+
+
+def thinking_tokens(tokens: list[str]) -> int:
+    """`</think>` is one token of this tokenizer: it and the tokens before it are the thinking part."""
+    return tokens.index("</think>") + 1 if "</think>" in tokens else len(tokens)
+
+
+def closing_sampler(client, model: str) -> dict:
+    """Sampling under which the tiny model thinks a few tokens, then closes its thinking and answers: a bias
+    on `</think>` and a seed, found by trying (greedy, it never closes or closes at once; its logits are
+    near flat over a 151k vocabulary, so the bias that makes `</think>` likely is about 10)."""
+    from tests.fixtures.tokenizers import build_tokenizer
+
+    close = build_tokenizer("qwen3_thinking").convert_tokens_to_ids("</think>")
+    for bias in (10, 9, 11):
+        for seed in range(10):
+            sampler = {"max_tokens": 12, "temperature": 1.0, "seed": seed, "logit_bias": {str(close): bias}}
+            if 2 < thinking_tokens(raw_tokens(client, model, **sampler)) < sampler["max_tokens"] - 1:
+                return sampler
+    pytest.fail("no bias and seed make the tiny model close its thinking after it began")
+
+
+def test_reasoning_tokens_count_the_tokens_up_to_the_end_of_the_thinking(thinking_server):
+    client = thinking_server.openai()
+    model = client.models.list().data[0].id
+    sampler = closing_sampler(client, model)
+    raw = raw_tokens(client, model, **sampler)
+    kwargs = {"model": model, "messages": ASK, **sampler, "extra_body": {"ignore_eos": True}}
+
+    response = client.chat.completions.create(**kwargs)
+    assert response.choices[0].message.reasoning_content and response.usage.completion_tokens == len(raw)
+    assert response.usage.completion_tokens_details.reasoning_tokens == thinking_tokens(raw)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking_tokens(raw)
+
+    both = client.chat.completions.create(**kwargs, n=2)  # choice 1 samples with seed + 1
+    second = raw_tokens(client, model, **{**sampler, "seed": sampler["seed"] + 1})
+    assert both.usage.completion_tokens_details.reasoning_tokens == thinking_tokens(raw) + thinking_tokens(second)
+
+    greedy = raw_tokens(client, model, **GREEDY)
+    assert "</think>" not in greedy  # greedy, it thinks up to max_tokens: all of it is thinking
+    unclosed = client.chat.completions.create(model=model, messages=ASK, **GREEDY, extra_body={"ignore_eos": True})
+    assert unclosed.usage.completion_tokens_details.reasoning_tokens == len(greedy)
+
+
+def test_reasoning_tokens_are_0_with_thinking_off_and_left_out_where_no_parser_reads(thinking_server):
+    import httpx
+
+    response = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=30, json={
+        "messages": ASK, **GREEDY, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}  # read, and none found
+    plain = httpx.post(f"{thinking_server.url}/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})
+    assert "completion_tokens_details" not in plain.json()["usage"]  # completions are not read for thinking
 
 
 # -- what reaches the template ------------------------------------------------------------------

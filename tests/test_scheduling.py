@@ -152,3 +152,26 @@ def test_a_chat_stream_preempts_a_running_title_request_which_then_completes_who
     assert text == "w0 w1 w2 "
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "w0 w1 w2 w3 w4 w5 "
     assert engine.started == [6, 3, 6]  # the title ran, gave way, and ran again from its start
+
+
+def test_a_stream_preempts_the_running_choice_of_an_n_request_and_its_finished_choices_are_kept():
+    engine = CountingEngine()
+    with InProcessServer(lambda: engine) as srv:
+        wait_for_health(srv.url, 200)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            title = pool.submit(httpx.post, f"{srv.url}/v1/chat/completions",
+                                json={**CHAT, "max_tokens": 4, "n": 2}, timeout=30)
+            engine.steps.release(5)  # choice 0 whole, choice 1 under way
+            while engine.written < 5:
+                time.sleep(0.01)
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=30,
+                              json={**CHAT, "max_tokens": 3, "stream": True}) as chat:
+                engine.steps.release(3)
+                events = list(sse_json(chat.iter_lines()))
+            assert not title.done() and events[-1] == "[DONE]"
+            engine.steps.release(4)  # choice 1 again, from its start
+            answer = title.result()
+    assert answer.status_code == 200
+    assert [c["message"]["content"] for c in answer.json()["choices"]] == ["w0 w1 w2 w3 "] * 2
+    assert answer.json()["usage"]["completion_tokens"] == 8
+    assert engine.started == [4, 4, 3, 4]  # choice 0, choice 1 (gave way), the chat, choice 1 again

@@ -237,6 +237,89 @@ def test_chat_stream_raw_shape(http):
     assert all("usage" not in c for c in events[:-1])  # no usage chunk unless asked
 
 
+# -- n choices ------------------------------------------------------------------------------
+SAMPLED = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+
+
+def by_index(chunks: list[dict], text) -> dict[int, str]:
+    """Each choice's streamed text, by its index."""
+    out: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            out[choice["index"]] = out.get(choice["index"], "") + (text(choice) or "")
+    return out
+
+
+def test_n_seeded_choices_repeat_differ_and_each_is_its_own_seed(http):
+    body = {"model": MODEL, "messages": CHAT, "n": 3, **SAMPLED}
+    a, b = (http.post("/v1/chat/completions", json=body).json() for _ in range(2))
+    texts = [c["message"]["content"] for c in a["choices"]]
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert texts == [c["message"]["content"] for c in b["choices"]]  # the same request, the same choices
+    assert len(set(texts)) > 1  # seed + i: the choices do not share their draws
+    for i in (0, 2):  # choice i is what n=1 gives with seed + i (the README's rule)
+        single = http.post("/v1/chat/completions", json={**body, "n": 1, "seed": 7 + i}).json()
+        assert single["choices"][0]["message"]["content"] == texts[i]
+    assert all(c["finish_reason"] == "length" for c in a["choices"])
+    usage, one = a["usage"], single["usage"]
+    assert usage["prompt_tokens"] == one["prompt_tokens"]  # the prompt counted once, as OpenAI does
+    assert usage["completion_tokens"] == 3 * SAMPLED["max_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert "completion_tokens_details" not in usage  # no reasoning parser on this model
+
+
+def test_n_unseeded_choices_are_independent_draws(http):
+    body = {"model": MODEL, "messages": CHAT, "n": 3, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    texts = [c["message"]["content"] for c in http.post("/v1/chat/completions", json=body).json()["choices"]]
+    assert len(set(texts)) > 1
+
+
+def test_n_greedy_choices_all_equal_the_n1_answer(client):
+    kwargs = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    one = client.chat.completions.create(**kwargs).choices[0].message.content
+    both = client.chat.completions.create(**kwargs, n=2)  # the openai SDK parses n choices
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.message.content for c in both.choices] == [one, one]
+    assert both.usage.completion_tokens == 2 * 6
+
+
+def test_n_chat_streamed_per_index_equals_non_streamed(http):
+    body = {"model": MODEL, "messages": CHAT, "n": 3, **SAMPLED}
+    full = http.post("/v1/chat/completions", json=body).json()
+    events = stream_events(http, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1
+    texts = by_index(chunks, lambda choice: choice["delta"].get("content"))
+    assert texts == {c["index"]: c["message"]["content"] for c in full["choices"]}
+    for index in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}  # each choice opens with its role
+        assert sum("role" in c["delta"] for c in mine) == 1
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]  # ... and ends on its own
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+def test_n_completions_streamed_and_not_with_logprobs(http):
+    body = {"model": MODEL, "prompt": "The capital of France is", "n": 2, "logprobs": 1, **SAMPLED}
+    full = http.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in full["choices"]] == [0, 1]
+    assert all(len(c["logprobs"]["tokens"]) == SAMPLED["max_tokens"] for c in full["choices"])
+    assert full["usage"]["completion_tokens"] == 2 * SAMPLED["max_tokens"]
+    events = stream_events(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    texts = by_index(events[:-1], lambda choice: choice["text"])
+    assert texts == {c["index"]: c["text"] for c in full["choices"]}
+    assert events[-2]["usage"] == full["usage"]
+
+
+def test_n_completions_through_the_openai_sdk(client):
+    response = client.completions.create(model=MODEL, prompt="Hello", n=2, max_tokens=3, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].text == response.choices[1].text and response.usage.completion_tokens == 6
+
+
 # -- errors ---------------------------------------------------------------------------------
 ERRORS = [
     # name, path, body, status, code, param
@@ -248,7 +331,10 @@ ERRORS = [
     ("temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, None, "temperature"),
     ("top-logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, None,
      "top_logprobs"),
-    ("n", "/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, None, "n"),
+    ("n=17", "/v1/chat/completions", {"messages": CHAT, "n": 17}, 400, None, "n"),  # MAX_N is 16
+    ("n=0", "/v1/chat/completions", {"messages": CHAT, "n": 0, "stream": True}, 400, None, "n"),
+    ("n=-1", "/v1/completions", {"prompt": "a", "n": -1}, 400, None, "n"),
+    ("best-of", "/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, 400, None, "best_of"),
     ("tool-choice-required", "/v1/chat/completions",  # the fixture's template cannot take tools
      {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      400, None, "tool_choice"),
@@ -296,7 +382,8 @@ ERRORS = [
           ("repetition_penalty", 0, False), ("repetition_penalty", float("inf"), False),
           ("max_tokens", 0, False), ("max_tokens", 2.5, False), ("logprobs", 30, False), ("logprobs", -1, False),
           ("logit_bias", {"5": 101}, False), ("logit_bias", {"5": float("nan")}, False),
-          ("logit_bias", {"five": 1}, False), ("stop", 5, False), ("n", 0, False), ("stream", "maybe", False),
+          ("logit_bias", {"five": 1}, False), ("stop", 5, False), ("n", 0, False), ("n", 17, True),
+          ("stream", "maybe", False),
       ]],
     ("max-completion-tokens", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, None,
      "max_completion_tokens"),
@@ -462,6 +549,39 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, http,
     assert metric(http, 'moe_requests_total{status="aborted"}') == aborted_before + 1
 
 
+N_LONG = 100  # tokens per choice of the n=16 requests below: 1600 in all unless stopped
+
+
+def test_disconnect_during_a_later_choice_of_a_stream_aborts_them_all(server, http, client):
+    aborted_before, accesses_before = metric(http, 'moe_requests_total{status="aborted"}'), expert_accesses(http)
+    body = {"model": MODEL, "messages": CHAT, "n": 16, "max_tokens": N_LONG, "temperature": 0, "stream": True,
+            "extra_body": {"ignore_eos": True}}
+    with server.openai().chat.completions.create(**body) as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].index == 1:  # the second choice is under way
+                break
+    assert_next_request_starts_at_once(client)
+    ran = wait_until_engine_idle(http) - accesses_before
+    assert ran < ACCESSES_PER_TOKEN * N_LONG * 3 / 2  # the first choice; the second stopped as it began
+    assert metric(http, 'moe_requests_total{status="aborted"}') == aborted_before + 1
+
+
+def test_disconnect_during_a_later_choice_of_a_non_streamed_request_aborts_them_all(server, http, client):
+    aborted_before, accesses_before = metric(http, 'moe_requests_total{status="aborted"}'), expert_accesses(http)
+    body = json.dumps({"model": MODEL, "messages": CHAT, "n": 16, "max_tokens": N_LONG, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a client that hangs up
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 20
+        while expert_accesses(http) < accesses_before + (N_LONG + 10) * ACCESSES_PER_TOKEN:  # past the first choice
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert_next_request_starts_at_once(client)
+    ran = wait_until_engine_idle(http) - accesses_before
+    assert ran < ACCESSES_PER_TOKEN * N_LONG * 4  # not the 16 choices
+    assert metric(http, 'moe_requests_total{status="aborted"}') == aborted_before + 1
+
+
 def test_requests_run_one_at_a_time_in_arrival_order(server, client, http):
     done: dict[int, float] = {}
 
@@ -511,7 +631,7 @@ def test_metrics_names_and_counts(http, client):
 
 def test_invalid_requests_are_counted(http):
     before = metric(http, 'moe_requests_total{status="invalid"}')
-    http.post("/v1/chat/completions", json={"messages": CHAT, "n": 3})
+    http.post("/v1/chat/completions", json={"messages": CHAT, "n": 17})
     assert metric(http, 'moe_requests_total{status="invalid"}') == before + 1
 
 

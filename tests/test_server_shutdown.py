@@ -105,6 +105,26 @@ def test_past_the_drain_requests_are_aborted_and_streams_end_with_an_error_then_
         print(server.log()[-6000:])  # shown when the test fails
 
 
+def test_past_the_drain_a_request_with_n_choices_stops_in_the_choice_it_is_in(checkpoint):
+    server = start(checkpoint, drain=0)
+    try:
+        request = {**body(200, stream=True), "n": 3, "temperature": 0}  # greedy: the same tokens every run
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=request, timeout=60) as response:
+            events = sse_json(response.iter_lines())
+            received = [next(events)]
+            while received[-1]["choices"][0]["index"] == 0:  # choice 0 whole, up to choice 1's role chunk
+                received.append(next(events))
+            server.process.send_signal(signal.SIGTERM)
+            received += list(events)
+        assert received[-1] == "[DONE]" and received[-2]["error"]["code"] == "server_shutdown"
+        indices = {c["index"] for e in received[:-2] for c in e["choices"]}
+        assert indices == {0, 1}  # choice 2 never started
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        server.stop()
+        print(server.log()[-6000:])  # shown when the test fails
+
+
 def test_sigterm_during_the_model_load_ends_the_process_at_once(tmp_path):
     # the built-in demo model, built on the first start into an empty cache: a load of about a minute
     server = RemoteServer([], env={"MOE_SERVE_CACHE_DIR": str(tmp_path / "cache")}).launch()
