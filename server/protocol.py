@@ -384,11 +384,16 @@ class CompletionTokensDetails(ResponseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # read from a kept KV cache (--prefix-cache), not computed
+
+
 class UsageInfo(ResponseModel):
     _omit_unless_given = frozenset({"completion_tokens_details"})  # only where a reasoning parser read the output
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     completion_tokens_details: CompletionTokensDetails | None = None
 
 

@@ -146,7 +146,7 @@ def usage_info(outcomes: list[Outcome]) -> p.UsageInfo:
     usages = [outcome.usage for outcome in outcomes if outcome.usage is not None]
     prompt = usages[0].prompt_tokens if usages else 0
     completion = sum(usage.completion_tokens for usage in usages)
-    details = {}
+    details = {"prompt_tokens_details": p.PromptTokensDetails(cached_tokens=usages[0].cached_tokens if usages else 0)}
     if outcomes and outcomes[0].reasoning is not None:
         reasoning = sum(outcome.reasoning.count() for outcome in outcomes)
         details["completion_tokens_details"] = p.CompletionTokensDetails(reasoning_tokens=reasoning)

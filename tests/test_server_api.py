@@ -677,3 +677,18 @@ def test_tokenize_and_detokenize_refuse_bad_input(http, path, body, param):
     response = http.post(path, json=body)
     assert 400 <= response.status_code < 500
     assert response.json()["error"]["param"] == param
+
+
+def test_a_chat_s_next_turn_reads_the_last_turn_from_the_kept_kv_cache(client, http):
+    """A chat client resends the conversation: the last turn's prompt and answer are not computed
+    again, and usage says how many prompt tokens were read (OpenAI's `cached_tokens`)."""
+    before = metric(http, "moe_prompt_tokens_cached_total")
+    first = [{"role": "user", "content": "Tell me a long story about a fox, a dog and a river, please."}]
+    answer = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+    turn = [*first, {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": "And then?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4, temperature=0)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert answer.usage.prompt_tokens <= cached < reply.usage.prompt_tokens  # the first prompt at least
+    assert metric(http, "moe_prompt_tokens_cached_total") - before == cached
