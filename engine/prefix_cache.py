@@ -62,8 +62,8 @@ class PrefixCache:
         """A KV cache holding the longest cached prefix of `prompt` (at most all but its last token,
         whose logits the step needs), and that prefix's length; (None, 0) when none is worth it.
 
-        An entry mostly reused (a conversation's next turn, a regenerated answer) is moved out and
-        cut to the prefix; one reused only in part (a shared system prompt) is copied, so the
+        An entry mostly reused (a conversation's next turn) is moved out and cut to the prefix; one
+        reused only in part (a shared system prompt, a regenerated long answer) is copied, so the
         conversation it holds stays for its own next turn."""
         best, reuse = None, 0
         for entry in self._entries:
@@ -72,7 +72,7 @@ class PrefixCache:
                 best, reuse = entry, n
         if best is None or reuse < MIN_REUSE_TOKENS:
             return None, 0
-        if reuse >= TAKE_FRACTION * len(best.tokens) or reuse >= TAKE_FRACTION * len(prompt):
+        if reuse >= TAKE_FRACTION * len(best.tokens):
             self._entries.remove(best)
             best.kv.crop(reuse - len(best.tokens))  # a negative count: the tokens to drop from the end
             return best.kv, reuse

@@ -311,8 +311,14 @@ class CompletionFormat:
 Format = ChatFormat | CompletionFormat
 
 
+# Characters that JSON leaves raw but Python's str.splitlines (and so httpx's `iter_lines`) reads as line
+# breaks: a client that splits a stream that way would cut a `data:` line in two. Escaped, the JSON is the same.
+SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _json(model: BaseModel) -> str:
-    return model.model_dump_json(exclude_unset=True)
+    """A stream event's data: one line, whatever the text."""
+    return model.model_dump_json(exclude_unset=True).translate(SPLITLINES_BREAKS)
 
 
 def _check_finished(outcome: Outcome, shutting_down: bool = False) -> None:
@@ -411,7 +417,7 @@ class Serving:
             crash = error.code == "internal_error"
             log.log(logging.ERROR if crash else logging.WARNING, "stream %s failed: %s",
                     choices.current.request_id, error.message, exc_info=crash)
-            yield error.body().model_dump_json()
+            yield _json(error.body())
         finally:
             stopper.cancel()
             timer.done(status)

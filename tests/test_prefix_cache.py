@@ -53,11 +53,13 @@ def test_the_prompt_s_last_token_is_always_computed():
     assert kv.get_seq_length() == reused
 
 
-def test_a_short_shared_part_is_copied_and_the_conversation_stays():
+@pytest.mark.parametrize("rest", [list(range(1000, 1060)), [1, 2, 3]], ids=["long", "short"])
+def test_a_short_shared_part_is_copied_and_the_conversation_stays(rest):
+    """A chat UI's background request (a title) shares the system prompt: 20 of the conversation's 60
+    tokens, however much of its own prompt that is."""
     cache = PrefixCache(max_entries=4, budget_tokens=10_000)
     cache.put(CONVERSATION, kv_of(CONVERSATION))
-    system_prompt_only = CONVERSATION[:20] + list(range(1000, 1060))  # 20 of 60 and of 80: under half
-    kv, reused = cache.take(system_prompt_only)
+    kv, reused = cache.take(CONVERSATION[:20] + rest)
     assert reused == 20
     assert held(kv) == CONVERSATION[:20]
     kv.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)  # the copy grows on its own

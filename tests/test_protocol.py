@@ -1,12 +1,14 @@
 """Wire requests to SamplingParams: the model's defaults fill only what a request leaves out."""
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
+from server import protocol as p
 from server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
-from server.serving import choice_requests
+from server.serving import _json, choice_requests
 
 CHAT = [{"role": "user", "content": "hi"}]
 MODEL_DEFAULTS = {"temperature": 0.2, "top_p": 0.5, "repetition_penalty": 1.1}
@@ -44,3 +46,14 @@ def test_choice_i_samples_with_seed_plus_i_wrapped_into_the_seed_range():
     assert len({c.request_id for c in choices}) == 3
     assert all(c.params.temperature == 1.0 and c.prompt_token_ids == [1, 2] for c in choices)
     assert [c.params.seed for c in choice_requests(replace(request, params=SamplingParams()), 2)] == [None, None]
+
+
+def test_a_stream_event_s_data_is_one_line_for_any_line_splitter():
+    """U+2028, U+2029 and U+0085 are raw in JSON, but `str.splitlines` (httpx's `iter_lines`) breaks
+    lines there: a token holding one would cut its `data:` line in two."""
+    text = "a\u2028b\u2029c\x85d\x0be\x1cf\r\ng"
+    chunk = p.ChatCompletionStreamResponse(id="x", model="m", choices=[
+        p.ChatCompletionStreamChoice(index=0, delta=p.DeltaMessage(content=text))])
+    data = _json(chunk)
+    assert len(data.splitlines()) == 1
+    assert json.loads(data)["choices"][0]["delta"]["content"] == text
