@@ -13,7 +13,9 @@
    of `tests/test_engine_quant.py`, and the same greedy choice at every position;
 5. the host executor (`--cpu-experts`): misses computed whole on the host and shared by host and device,
    greedy tokens against transformers;
-6. TPOT: `bench.engine_bench tpot --device cuda`.
+6. prefix reuse (`--prefix-cache`): a chat's next turn, cut from the kept KV cache on the device, and a
+   shared head copied from it, give transformers' greedy tokens;
+7. TPOT: `bench.engine_bench tpot --device cuda`.
 Prints one JSON object (also written to --out).
 """
 
@@ -70,6 +72,33 @@ def check_default_sizing(folder: Path) -> dict:
               "free_gib_after": torch.cuda.mem_get_info()[0] / 2**30}
     engine.close()
     return result
+
+
+def check_prefix_reuse(tmp: Path) -> dict:
+    results = {}
+    for family in ("mixtral", "deepseek_v2", "qwen3_moe"):
+        folder = build_checkpoint(family, tmp / f"prefix-{family}")
+        reference = load_reference(folder).to("cuda")
+        engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
+                                          expert_cache_experts=2))
+        first = list(range(5, 45))
+        answer, _ = _greedy_and_cached(engine, first)
+        for name, prompt in {"next_turn": first + answer + list(range(50, 70)),  # the entry cut back
+                             "shared_head": first[:20] + list(range(200, 260))}.items():  # a copy of its head
+            ours, cached = _greedy_and_cached(engine, prompt)
+            with torch.no_grad():
+                x = torch.tensor([prompt], device="cuda")
+                out = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+            results[f"{family}/{name}"] = {"same_tokens": ours == out[0, len(prompt):].tolist(), "cached": cached}
+        engine.close()
+    return results
+
+
+def _greedy_and_cached(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    events = list(engine.generate(GenerationRequest("p", prompt, params)))
+    return [t for e in events for t in e.token_ids], events[-1].usage.cached_tokens
 
 
 def check_equivalence(tmp: Path) -> dict:
@@ -158,6 +187,7 @@ def main() -> None:
             "equivalence": lambda: check_equivalence(tmp),
             "quantized": lambda: check_quantized(tmp),
             "host_executor": lambda: check_host_executor(tmp),
+            "prefix_reuse": lambda: check_prefix_reuse(tmp),
             "tpot": lambda: run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3)),
         }
         for name, run in sections.items():  # each result kept as it comes: a timeout loses only the rest

@@ -111,10 +111,12 @@ def run_tpot(args: argparse.Namespace) -> dict:
         folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
         total = 8 * 8
         ours_all = Engine.load(
-            EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total)
+            EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total,
+                         prefix_cache=0)  # TTFT against transformers, which computes every prompt whole
         )
         ours_quarter = Engine.load(
-            EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total // 4)
+            EngineConfig(model=str(folder), device=args.device, policy="lru", expert_cache_experts=total // 4,
+                         prefix_cache=0)
         )
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
         prompt = ours_all.encode(PROMPT)
@@ -166,8 +168,9 @@ def run_server(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
-        flags = ["--model", str(folder), "--device", "cpu"]  # the defaults: every expert cached, so no prefetch
-        engine = Engine.load(EngineConfig(model=str(folder), device="cpu"))
+        # the defaults (every expert cached, so no prefetch) but prompt reuse: TTFT is of whole prompts
+        flags = ["--model", str(folder), "--device", "cpu", "--prefix-cache", "0"]
+        engine = Engine.load(EngineConfig(model=str(folder), device="cpu", prefix_cache=0))
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         prompt = engine.encode(PROMPT)
         samples: dict[str, list[tuple[float, float]]] = {"server": [], "engine": [], "transformers": []}

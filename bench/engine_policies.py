@@ -34,7 +34,8 @@ def record(args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     engine = Engine.load(
-        EngineConfig(model=args.model, record_trace=str(out), expert_cache_experts=args.cache)
+        EngineConfig(model=args.model, record_trace=str(out), expert_cache_experts=args.cache,
+                     prefix_cache=0)  # every prompt's routing whole in the trace, the shared system prompt too
     )
     generated = 0
     for i, (_, text) in enumerate(prompts(args.prompts, seed=args.seed)):
@@ -56,7 +57,7 @@ def compare(args: argparse.Namespace) -> dict:
         name: Engine.load(
             EngineConfig(
                 model=args.model, policy=p, prefetch=f, expert_cache_experts=capacity,
-                eamc_path=str(state / f"{name}.eamc"),
+                eamc_path=str(state / f"{name}.eamc"), prefix_cache=0,  # as the earlier rows of RESULTS
             )
         )
         for name, (p, f) in variants.items()

@@ -221,6 +221,7 @@ def run_engine(folder: Path, variant: Variant, shape: ModelShape, settings: Sett
         policy=variant.policy, prefetch=variant.prefetch, expert_cache_experts=capacity,
         cpu_experts=variant.cpu_experts, expert_dtype=variant.expert_dtype,
         eamc_path=str(settings.workdir / f"{slug}.eamc"), record_trace=str(trace),
+        prefix_cache=0,  # each round's prompt is the same: its prefill, and its experts, are measured every round
     ))  # fmt: skip
     load_s = time.perf_counter() - started
     try:

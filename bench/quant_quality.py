@@ -53,7 +53,8 @@ FORMS = {  # model → (expert dtype, group size) compared with the unquantized 
 
 def _engine(folder: Path | None, expert_dtype: str = "auto", group: int | None = None, dtype: str = "auto") -> Engine:
     return Engine.load(EngineConfig(model=str(folder) if folder else None, device="cpu", policy="lru", dtype=dtype,
-                                    prefetch=False, expert_dtype=expert_dtype, expert_group_size=group))
+                                    prefetch=False, expert_dtype=expert_dtype, expert_group_size=group,
+                                    prefix_cache=0))  # every form computes every prompt whole
 
 
 def _sequences(engine: Engine, n_prompts: int, tokens: int) -> list[tuple[int, list[int]]]:
