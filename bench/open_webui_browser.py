@@ -14,8 +14,11 @@ It starts moe-serve (`python -m server`, the demo model) and Open WebUI on free 
 small recording proxy in between so that every request Open WebUI sends to moe-serve is logged
 (path, whether the body carried `tools`, the status and moe-serve's warning header). It then opens
 Open WebUI in headless Chromium (Playwright), asks "What is the capital of France?", waits for the
-answer to finish streaming, reads it off the page, takes a screenshot, stops everything, and prints
-one JSON object. Playwright is imported from the interpreter that runs this script.
+answer to finish streaming, reads it off the page, then (with `--follow-up`, after Open WebUI's
+background requests) asks a second question in the same chat. Each request's usage is recorded,
+with the prompt tokens read from moe-serve's kept KV cache (`cached_tokens`). It takes a
+screenshot, stops everything, and prints one JSON object. Playwright is imported from the
+interpreter that runs this script.
 """
 
 from __future__ import annotations
@@ -96,6 +99,23 @@ def summarize_body(body: bytes) -> dict[str, Any]:
             "n_messages": len(data.get("messages") or []), "keys": sorted(data)}
 
 
+def usage_of(body: bytes, stream: bool) -> dict[str, Any] | None:
+    """Prompt tokens and those of them read from the kept KV cache, from a response's usage."""
+    try:
+        if stream:
+            found = [json.loads(line[5:]).get("usage") for line in body.decode().splitlines()
+                     if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+            usage = next((u for u in reversed(found) if u), None)
+        else:
+            usage = json.loads(body).get("usage")
+        if not usage:
+            return None
+        return {"prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def reply_text(body: bytes, stream: bool) -> str | None:
     """The assistant text of a chat completion: a JSON body, or SSE `data:` chunks when streamed."""
     try:
@@ -155,6 +175,7 @@ def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: lis
                 record["error_body"] = out[:2000].decode("utf-8", "replace")
             elif self.command == "POST":
                 record["reply"] = reply_text(out, bool(record.get("stream")))
+                record["usage"] = usage_of(out, bool(record.get("stream")))
 
         def pass_on(self, body: bytes, record: dict[str, Any]) -> bytes:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
@@ -245,9 +266,9 @@ def ensure_model(page: Any) -> str:
     return page.locator(SELECTED_MODEL).first.get_attribute("aria-label") or ""
 
 
-def send_question(page: Any) -> None:
+def send_question(page: Any, text: str = QUESTION) -> None:
     page.locator("#chat-input").click()
-    page.keyboard.type(QUESTION)
+    page.keyboard.type(text)
     page.locator("#send-message-button").click()
 
 
@@ -256,11 +277,12 @@ def last_answer(page: Any) -> str:
     return answers.last.inner_text().strip() if answers.count() else ""
 
 
-def wait_answer(page: Any, timeout_s: float) -> str:
-    """Wait until the answer has finished (its Regenerate button shows) or an error shows."""
+def wait_answer(page: Any, timeout_s: float, answers_before: int = 0) -> str:
+    """Wait until a new answer has finished (its Regenerate button shows) or an error shows."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if page.locator("button[aria-label='Regenerate']").count() and last_answer(page):
+        new = page.locator("#response-content-container").count() > answers_before
+        if new and page.locator("button[aria-label='Regenerate']").count() and last_answer(page):
             break
         if error_texts(page):
             break
@@ -307,6 +329,15 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
         answer = wait_answer(page, args.answer_timeout)
         seconds = time.monotonic() - t0
         wait_quiet(in_flight, args.settle)
+        follow_up = None
+        if args.follow_up:
+            answers_before = page.locator("#response-content-container").count()
+            t1 = time.monotonic()
+            send_question(page, args.follow_up)
+            page.wait_for_timeout(3000)  # the last answer's Regenerate button goes while the new one streams
+            follow_up = {"question": args.follow_up, "answer": wait_answer(page, args.answer_timeout, answers_before),
+                         "seconds_to_answer": round(time.monotonic() - t1, 1)}
+            wait_quiet(in_flight, args.settle)
         page.wait_for_timeout(2000)
         errors = error_texts(page)
         args.screenshot.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +345,8 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
         title = page.title()
         browser.close()
     return {"answer": answer, "contains_paris": "Paris" in answer, "seconds_to_answer":
-            round(seconds, 1), "errors_seen": errors, "model_selected": selected, "page_title": title}
+            round(seconds, 1), "follow_up": follow_up, "errors_seen": errors, "model_selected": selected,
+            "page_title": title}
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -331,6 +363,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--logs", type=Path, default=REPO / "bench" / "out")
     p.add_argument("--screenshot", type=Path, default=REPO / "bench" / "out" / "open_webui_chat.png")
     p.add_argument("--answer-timeout", type=float, default=300)
+    p.add_argument("--follow-up", default=None, help="a second question in the same chat, after the first answer")
     p.add_argument("--settle", type=float, default=300,
                    help="at most this long after the answer for Open WebUI's background requests")
     return p.parse_args()
