@@ -15,8 +15,8 @@ small recording proxy in between so that every request Open WebUI sends to moe-s
 (path, whether the body carried `tools`, the status and moe-serve's warning header). It then opens
 Open WebUI in headless Chromium (Playwright), asks "What is the capital of France?", waits for the
 answer to finish streaming, reads it off the page, then (with `--follow-up`, after Open WebUI's
-background requests) asks a second question in the same chat. Each request's usage is recorded,
-with the prompt tokens read from moe-serve's kept KV cache (`cached_tokens`). It takes a
+background requests) asks a second question in the same chat. Each request's prompt tokens, and how
+many of them came from moe-serve's kept KV cache, are read from moe-serve's log. It takes a
 screenshot, stops everything, and prints one JSON object. Playwright is imported from the
 interpreter that runs this script.
 """
@@ -27,6 +27,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,21 +100,26 @@ def summarize_body(body: bytes) -> dict[str, Any]:
             "n_messages": len(data.get("messages") or []), "keys": sorted(data)}
 
 
-def usage_of(body: bytes, stream: bool) -> dict[str, Any] | None:
-    """Prompt tokens and those of them read from the kept KV cache, from a response's usage."""
+def response_id(body: bytes, stream: bool) -> str | None:
+    """The completion's id: the JSON body's, or the first SSE chunk's."""
     try:
-        if stream:
-            found = [json.loads(line[5:]).get("usage") for line in body.decode().splitlines()
-                     if line.startswith("data:") and line[5:].strip() != "[DONE]"]
-            usage = next((u for u in reversed(found) if u), None)
-        else:
-            usage = json.loads(body).get("usage")
-        if not usage:
-            return None
-        return {"prompt_tokens": usage["prompt_tokens"],
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
-    except (ValueError, KeyError, TypeError, AttributeError):
+        if not stream:
+            return json.loads(body).get("id")
+        for line in body.decode().splitlines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                return json.loads(line[5:]).get("id")
+    except (ValueError, TypeError, AttributeError):
         return None
+    return None
+
+
+def prompt_reuse(log_path: Path) -> dict[str, dict[str, int]]:
+    """Per request id, its prompt tokens and how many were reused, from moe-serve's log (Open WebUI
+    does not ask for usage in its streams)."""
+    found = {}
+    for match in re.finditer(r"request (\S+): (\d+) prompt tokens \((\d+) reused\)", log_path.read_text()):
+        found[match[1]] = {"prompt_tokens": int(match[2]), "reused": int(match[3])}
+    return found
 
 
 def reply_text(body: bytes, stream: bool) -> str | None:
@@ -175,7 +181,7 @@ def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: lis
                 record["error_body"] = out[:2000].decode("utf-8", "replace")
             elif self.command == "POST":
                 record["reply"] = reply_text(out, bool(record.get("stream")))
-                record["usage"] = usage_of(out, bool(record.get("stream")))
+                record["id"] = response_id(out, bool(record.get("stream")))
 
         def pass_on(self, body: bytes, record: dict[str, Any]) -> bytes:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
@@ -389,6 +395,9 @@ def main() -> None:
     finally:
         for proc in reversed(procs):
             stop(proc)
+    reuse = prompt_reuse(args.logs / "moe_serve.log")
+    for record in records:
+        record.update(reuse.get(record.get("id"), {}))
     result["moe_serve_status_codes"] = [r["status"] for r in records]
     result["moe_serve_requests"] = records
     print(json.dumps(result, indent=2))

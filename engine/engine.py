@@ -310,6 +310,9 @@ class Engine:
                     if event.finish_reason is not None:
                         times.end = time.perf_counter()
                         self._keep_prefix(tokens, kv)
+                        log.info("request %s: %d prompt tokens (%d reused), %d generated; first token after "
+                                 "%.2f s, %.2f s in all", request.request_id, len(prompt), cached, times.tokens,
+                                 times.first_token - times.start, times.end - times.start)
                         yield _with_usage(event, Usage(len(prompt), times.tokens, cached))
                         return
                     yield event
