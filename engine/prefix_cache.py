@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 
 from transformers import Cache, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_REUSE_TOKENS = 16  # below this the prefill saved is less than the bookkeeping
 TAKE_FRACTION = 0.5  # an entry whose prefix is reused by at least this share is moved, else copied
@@ -27,14 +27,21 @@ TAKE_FRACTION = 0.5  # an entry whose prefix is reused by at least this share is
 class Entry:
     tokens: list[int]  # the ids whose keys and values `kv` holds, in order
     kv: Cache
+    shortest: int = 0  # the shortest prefix it can serve: all of it once a sliding window has dropped tokens
 
 
 def reusable(kv: Cache | None) -> bool:
-    """Only full-attention layers can be cut back to a prefix: a sliding window has dropped its
-    oldest tokens, a linear-attention state cannot be rewound (a family's own cache class, such
-    as MiniMax's, holds such state too)."""
-    return (type(kv) is DynamicCache and bool(kv.layers)
-            and all(type(layer) is DynamicLayer for layer in kv.layers))
+    """Attention layers, full or sliding-window: a linear-attention or state-space state cannot be
+    rewound (a family's own cache class, such as MiniMax's, holds such state too)."""
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer)
+    return type(kv) is DynamicCache and bool(kv.layers) and all(type(layer) in kinds for layer in kv.layers)
+
+
+def shortest_prefix(kv: Cache, length: int) -> int:
+    """A sliding-window layer past its window keeps only its last tokens: the cache can then serve
+    only its whole length (a chat's next turn), not a shorter prefix."""
+    windowed = [layer for layer in kv.layers if type(layer) is DynamicSlidingWindowLayer]
+    return length if any(layer.cumulative_length >= layer.sliding_window for layer in windowed) else 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -68,13 +75,14 @@ class PrefixCache:
         best, reuse = None, 0
         for entry in self._entries:
             n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
-            if n > reuse:
+            if n > reuse and n >= entry.shortest:
                 best, reuse = entry, n
         if best is None or reuse < MIN_REUSE_TOKENS:
             return None, 0
         if reuse >= TAKE_FRACTION * len(best.tokens):
             self._entries.remove(best)
-            best.kv.crop(reuse - len(best.tokens))  # a negative count: the tokens to drop from the end
+            if reuse < len(best.tokens):
+                best.kv.crop(reuse - len(best.tokens))  # a negative count: the tokens to drop from the end
             return best.kv, reuse
         return _prefix_copy(best.kv, reuse), reuse
 
@@ -84,7 +92,7 @@ class PrefixCache:
         if not tokens or not reusable(kv) or kv.get_seq_length() != len(tokens):
             return
         self._entries = [e for e in self._entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
-        self._entries.append(Entry(list(tokens), kv))
+        self._entries.append(Entry(list(tokens), kv, shortest_prefix(kv, len(tokens))))
         del self._entries[: max(0, len(self._entries) - self.max_entries)]
         self.make_room(0)
 
@@ -99,12 +107,15 @@ class PrefixCache:
 
 
 def _prefix_copy(kv: Cache, tokens: int) -> Cache:
-    """A new cache with the first `tokens` positions of `kv` (full-attention layers only)."""
+    """A new cache with the first `tokens` positions of `kv`, whose layers hold every position
+    (a shorter prefix than all of it is served only then)."""
     out = copy.copy(kv)
     out.layers = []
     for layer in kv.layers:
         part = copy.copy(layer)
         part.keys = layer.keys[..., :tokens, :].clone()  # [B, heads, T, D]
         part.values = layer.values[..., :tokens, :].clone()
+        if type(layer) is DynamicSlidingWindowLayer:
+            part.cumulative_length = tokens
         out.layers.append(part)
     return out

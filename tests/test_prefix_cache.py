@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
@@ -19,9 +20,12 @@ from tests.fixtures.models import FAMILIES, build_checkpoint, reference_greedy
 NEW_TOKENS = 10
 
 
-def kv_of(tokens: list[int], layers: int = 2) -> DynamicCache:
-    """A cache whose keys at position t hold t, so a cut or a copy can be read back."""
+def kv_of(tokens: list[int], layers: int = 2, window: int | None = None) -> DynamicCache:
+    """A cache whose keys at position t hold t, so a cut or a copy can be read back; `window`: its
+    second layer keeps a sliding window of that many tokens."""
     kv = DynamicCache()
+    if window is not None:
+        kv.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=window)]
     positions = torch.tensor(tokens, dtype=torch.float32)[None, None, :, None].expand(1, 2, -1, 4)  # [B, heads, T, D]
     for layer in range(layers):
         kv.update(positions.clone(), -positions.clone(), layer)
@@ -99,6 +103,29 @@ def test_entries_are_dropped_least_recently_used_first_by_count_and_by_budget():
     assert cache.take(prompts[2] + [1])[1] == 40
 
 
+def test_a_sliding_window_past_its_size_serves_only_its_whole_length():
+    """Its oldest tokens are gone: a chat's next turn, which continues the whole kept conversation,
+    reuses it; a prompt that shares only a part of it cannot."""
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    cache.put(CONVERSATION, kv_of(CONVERSATION, window=8))
+    assert cache.take(CONVERSATION[:50] + [1, 2, 3]) == (None, 0)
+    kv, reused = cache.take(CONVERSATION + [1, 2, 3])
+    assert reused == len(CONVERSATION)
+    assert kv.get_seq_length() == len(CONVERSATION)
+
+
+def test_a_sliding_window_within_its_size_is_cut_and_copied_like_full_attention():
+    cache = PrefixCache(max_entries=4, budget_tokens=10_000)
+    cache.put(CONVERSATION, kv_of(CONVERSATION, window=100))
+    kv, reused = cache.take(CONVERSATION[:20] + list(range(1000, 1060)))  # copied
+    assert reused == 20
+    assert [layer.get_seq_length() for layer in kv.layers] == [20, 20]
+    assert kv.layers[1].keys[0, 0, :, 0].int().tolist() == CONVERSATION[:20]
+    kv, reused = cache.take(CONVERSATION[:50] + [1])  # cut
+    assert reused == 50
+    assert [layer.get_seq_length() for layer in kv.layers] == [50, 50]
+
+
 def test_a_cache_that_does_not_hold_exactly_the_given_tokens_is_not_kept():
     cache = PrefixCache(max_entries=4, budget_tokens=10_000)
     kv = kv_of(CONVERSATION)
@@ -114,7 +141,7 @@ def greedy(engine: Engine, prompt: list[int]):
     return [t for e in events for t in e.token_ids], events[-1].usage
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss", "qwen3_next"])  # a sliding window; linear attention
 def test_a_next_turn_reuses_the_last_one_and_writes_the_tokens_transformers_writes(tmp_path, family):
     folder = build_checkpoint(family, tmp_path / family)
     trace = tmp_path / "trace.jsonl"
@@ -126,7 +153,7 @@ def test_a_next_turn_reuses_the_last_one_and_writes_the_tokens_transformers_writ
     tokens, usage = greedy(engine, next_prompt)
     assert tokens == reference_greedy(folder, next_prompt, NEW_TOKENS)
     computed = len(next_prompt) - usage.cached_tokens
-    if family in ("gpt_oss", "qwen3_next"):  # a sliding window, linear attention: nothing to cut back
+    if family == "qwen3_next":  # a linear-attention state cannot be rewound: prompts are computed whole
         assert usage.cached_tokens == 0
     else:
         assert usage.cached_tokens == len(first_prompt) + NEW_TOKENS - 1  # the last answer token was not fed back
