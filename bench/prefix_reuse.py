@@ -41,7 +41,8 @@ def run_turn(engine: Engine, messages: list[dict], tokens: int) -> dict:
     times = engine.last_times
     return {"prompt_tokens": len(prompt), "cached_tokens": usage.cached_tokens,
             "ttft_ms": 1000 * (times.first_token - times.start), "answer": engine.decode(ids),
-            "prefill_misses": prefill_misses}  # fmt: skip
+            "prefill_misses": prefill_misses,
+            "decode_misses": engine.cache_counters()["misses"] - before - prefill_misses}  # fmt: skip
 
 
 def conversation(engine: Engine, topic: str, turns: int, tokens: int, title_task: bool) -> list[dict]:
@@ -93,6 +94,8 @@ def main() -> None:
             "ttft_ms_on": statistics.median(t["ttft_ms"] for t in on),
             "prefill_misses_off": statistics.median(t["prefill_misses"] for t in off),
             "prefill_misses_on": statistics.median(t["prefill_misses"] for t in on),
+            "decode_misses_off": statistics.median(t["decode_misses"] for t in off),
+            "decode_misses_on": statistics.median(t["decode_misses"] for t in on),
         }
     print(json.dumps(summary, indent=2))
 
