@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 
 from transformers import Cache, DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 MIN_REUSE_TOKENS = 16  # below this the prefill saved is less than the bookkeeping
 TAKE_FRACTION = 0.5  # an entry whose prefix is reused by at least this share is moved, else copied
@@ -30,18 +30,25 @@ class Entry:
     shortest: int = 0  # the shortest prefix it can serve: all of it once a sliding window has dropped tokens
 
 
+REUSABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)
+
+
 def reusable(kv: Cache | None) -> bool:
-    """Attention layers, full or sliding-window: a linear-attention or state-space state cannot be
-    rewound (a family's own cache class, such as MiniMax's, holds such state too)."""
-    kinds = (DynamicLayer, DynamicSlidingWindowLayer)
-    return type(kv) is DynamicCache and bool(kv.layers) and all(type(layer) in kinds for layer in kv.layers)
+    """transformers' own cache and layer kinds, whose state after a prefix is known (a family's own
+    cache class, such as MiniMax's, is not reused)."""
+    return type(kv) is DynamicCache and bool(kv.layers) and all(type(layer) in REUSABLE_LAYERS for layer in kv.layers)
 
 
 def shortest_prefix(kv: Cache, length: int) -> int:
-    """A sliding-window layer past its window keeps only its last tokens: the cache can then serve
+    """The shortest prefix the cache can serve. A linear-attention (or state-space) state cannot be
+    rewound, and a sliding-window layer past its window keeps only its last tokens: such a cache serves
     only its whole length (a chat's next turn), not a shorter prefix."""
-    windowed = [layer for layer in kv.layers if type(layer) is DynamicSlidingWindowLayer]
-    return length if any(layer.cumulative_length >= layer.sliding_window for layer in windowed) else 0
+    for layer in kv.layers:
+        if type(layer) is LinearAttentionLayer:
+            return length
+        if type(layer) is DynamicSlidingWindowLayer and layer.cumulative_length >= layer.sliding_window:
+            return length
+    return 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -141,7 +141,10 @@ def greedy(engine: Engine, prompt: list[int]):
     return [t for e in events for t in e.token_ids], events[-1].usage
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss", "qwen3_next"])  # a sliding window; linear attention
+WHOLE_ONLY = ("gpt_oss", "qwen3_next")  # a sliding window past its size; a linear-attention state
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *WHOLE_ONLY])
 def test_a_next_turn_reuses_the_last_one_and_writes_the_tokens_transformers_writes(tmp_path, family):
     folder = build_checkpoint(family, tmp_path / family)
     trace = tmp_path / "trace.jsonl"
@@ -152,15 +155,16 @@ def test_a_next_turn_reuses_the_last_one_and_writes_the_tokens_transformers_writ
     next_prompt = first_prompt + answer + list(range(50, 70))
     tokens, usage = greedy(engine, next_prompt)
     assert tokens == reference_greedy(folder, next_prompt, NEW_TOKENS)
-    computed = len(next_prompt) - usage.cached_tokens
-    if family == "qwen3_next":  # a linear-attention state cannot be rewound: prompts are computed whole
-        assert usage.cached_tokens == 0
-    else:
-        assert usage.cached_tokens == len(first_prompt) + NEW_TOKENS - 1  # the last answer token was not fed back
-        assert engine.cache_counters()["prompt_tokens_cached"] == usage.cached_tokens
+    assert usage.cached_tokens == len(first_prompt) + NEW_TOKENS - 1  # the last answer token was not fed back
+    assert engine.cache_counters()["prompt_tokens_cached"] == usage.cached_tokens
+    # a prompt sharing only the conversation's head: a copy of it where every position is kept, else nothing
+    shared_head = first_prompt[:20] + list(range(200, 240))
+    tokens, usage = greedy(engine, shared_head)
+    assert tokens == reference_greedy(folder, shared_head, NEW_TOKENS)
+    assert usage.cached_tokens == (0 if family in WHOLE_ONLY else 20)
     engine.close()
     second = json.loads(trace.read_text().splitlines()[2])
-    assert len(second["prefill"]) == computed  # the trace holds what was computed
+    assert len(second["prefill"]) == len(next_prompt) - (len(first_prompt) + NEW_TOKENS - 1)  # what was computed
 
 
 def test_reuse_off_computes_every_prompt_token(tmp_path):
