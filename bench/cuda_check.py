@@ -76,7 +76,7 @@ def check_default_sizing(folder: Path) -> dict:
 
 def check_prefix_reuse(tmp: Path) -> dict:
     results = {}
-    for family in ("mixtral", "deepseek_v2", "qwen3_moe"):
+    for family in ("mixtral", "deepseek_v2", "qwen3_moe", "gpt_oss"):  # GPT-OSS: a sliding window, reused whole
         folder = build_checkpoint(family, tmp / f"prefix-{family}")
         reference = load_reference(folder).to("cuda")
         engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
