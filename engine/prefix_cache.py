@@ -69,7 +69,7 @@ class PrefixCache:
         return len(self._entries)
 
     @property
-    def cached_tokens(self) -> int:
+    def held_tokens(self) -> int:
         return sum(len(e.tokens) for e in self._entries)
 
     def take(self, prompt: list[int]) -> tuple[Cache | None, int]:
@@ -91,6 +91,8 @@ class PrefixCache:
             if reuse < len(best.tokens):
                 best.kv.crop(reuse - len(best.tokens))  # a negative count: the tokens to drop from the end
             return best.kv, reuse
+        self._entries.remove(best)
+        self._entries.append(best)  # used: the last to go
         return _prefix_copy(best.kv, reuse), reuse
 
     def put(self, tokens: list[int], kv: Cache | None) -> None:
@@ -106,7 +108,7 @@ class PrefixCache:
     def make_room(self, running_tokens: int) -> None:
         """Drop entries, least recently used first, until they fit beside a running request's
         `running_tokens` within the budget."""
-        while self._entries and self.cached_tokens + running_tokens > self.budget_tokens:
+        while self._entries and self.held_tokens + running_tokens > self.budget_tokens:
             self._entries.pop(0)
 
     def clear(self) -> None:

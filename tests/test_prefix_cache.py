@@ -92,6 +92,18 @@ def test_the_longest_match_wins_and_an_entry_inside_another_goes():
     assert reused == len(CONVERSATION)
 
 
+def test_an_entry_copied_from_counts_as_used():
+    cache = PrefixCache(max_entries=2, budget_tokens=10_000)
+    other = list(range(500, 540))
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    cache.put(other, kv_of(other))
+    cache.take(CONVERSATION[:20] + [1] * 30)  # a copy of the conversation's head: the conversation was used
+    newest = list(range(900, 940))
+    cache.put(newest, kv_of(newest))  # one entry must go: the one not used since it came
+    assert cache.take(other + [1]) == (None, 0)
+    assert cache.take(CONVERSATION + [1])[1] == len(CONVERSATION)
+
+
 def test_entries_are_dropped_least_recently_used_first_by_count_and_by_budget():
     cache = PrefixCache(max_entries=2, budget_tokens=100)
     prompts = [list(range(1000 * i, 1000 * i + 40)) for i in range(1, 4)]
