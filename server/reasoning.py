@@ -47,17 +47,27 @@ def detect_reasoning(info: ChatTemplateInfo) -> str | None:
     return None
 
 
-class ThinkStream:
-    def __init__(self, opened_in_prompt: bool) -> None:
-        self._state = "reasoning-start" if opened_in_prompt else "start"
+class _TextReader:
+    """Text fed in pieces, buffered until `_drain` can tell what it is."""
+
+    def __init__(self) -> None:
         self._buffer = ""
         self._fed = 0  # characters fed so far; those read are `_fed - len(_buffer)`
-        self.reasoning_end: int | None = None  # where the thinking ended in the text fed, `</think>` included
+        self.reasoning_end: int | None = None  # where the thinking ended in the text fed, its end marker included
 
     def feed(self, text: str) -> list[Part]:
         self._buffer += text
         self._fed += len(text)
         return self._drain(final=False)
+
+    def _drain(self, final: bool) -> list[Part]:
+        raise NotImplementedError
+
+
+class ThinkStream(_TextReader):
+    def __init__(self, opened_in_prompt: bool) -> None:
+        super().__init__()
+        self._state = "reasoning-start" if opened_in_prompt else "start"
 
     def finish(self) -> list[Part]:
         out = self._drain(final=True)
@@ -100,18 +110,11 @@ class ThinkStream:
         return out
 
 
-class HarmonyStream:
+class HarmonyStream(_TextReader):  # reasoning_end: where the last analysis message ended
     def __init__(self) -> None:
-        self._buffer = ""
+        super().__init__()
         self._kind: str | None = None  # in a message body: "reasoning", "answer" or "call"; None: in a header
         self._call = ""  # the tool-call message read so far, header included
-        self._fed = 0  # characters fed so far
-        self.reasoning_end: int | None = None  # where the last analysis message ended, its terminator included
-
-    def feed(self, text: str) -> list[Part]:
-        self._buffer += text
-        self._fed += len(text)
-        return self._drain(final=False)
 
     def finish(self) -> list[Part]:
         out = self._drain(final=True)
