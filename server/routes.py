@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError
+from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
 from server import protocol as p
 from server.errors import model_not_found
 from server.json_body import StrictJSONRoute
-from server.reasoning import plan_reasoning
+from server.reasoning import ReasoningPlan, plan_reasoning
 from server.serving import ChatFormat, CompletionFormat, Serving
 from server.structured import with_response_format
-from server.tools import WARNING_HEADER, plan_tools
+from server.tools import WARNING_HEADER, ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)  # duplicate keys and deep nesting: 400
@@ -45,27 +46,48 @@ def _accept(body: p.OpenAIBaseModel) -> None:
         log.info("ignoring unsupported request fields: %s", ", ".join(body.ignored_fields))
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a chat request becomes before the engine sees it: the prompt's tokens and the sampling,
+    with how its tool calls and reasoning are read back out of the output."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tools: ToolPlan
+    reasoning: ReasoningPlan
+
+
+async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine) -> ChatPlan:
+    """The chat pipeline every chat-shaped API shares (chat completions, and those translated to it)."""
+    added_tokens = added_token_ids(engine.tokenizer) if body.tools else None
+    tools = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser, added_tokens)
+    params = body.to_sampling_params(engine.sampling_defaults)
+    params = with_response_format(tools.sampling_params(params), body.response_format)
+    # the model's own template, never the request's; off the event loop, like all tokenizing
+    prompt = await run_in_threadpool(engine.apply_chat_template, tools.messages(body.engine_messages()), tools.tools,
+                                     body.template_kwargs())
+    reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt)
+    return ChatPlan(prompt, reasoning.sampling_params(params), tools, reasoning)
+
+
+def with_tool_warning(response: Response, plan: ChatPlan, request_id: str) -> Response:
+    """Tools offered to a model that cannot read them back: said in a header and the log."""
+    if plan.tools.warning:
+        log.warning("request %s: %s", request_id, plan.tools.warning)
+        response.headers[WARNING_HEADER] = plan.tools.warning
+    return response
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
     _accept(body)
     engine = ready_engine(raw, body.model)
-    added_tokens = added_token_ids(engine.tokenizer) if body.tools else None
-    plan = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser, added_tokens)
-    params = body.to_sampling_params(engine.sampling_defaults)
-    params = with_response_format(plan.sampling_params(params), body.response_format)
-    # the model's own template, never the request's; off the event loop, like all tokenizing
-    prompt = await run_in_threadpool(engine.apply_chat_template, plan.messages(body.engine_messages()), plan.tools,
-                                     body.template_kwargs())
-    reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt)
-    params = reasoning.sampling_params(params)
-    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs), tool_plan=plan,
-                     reasoning_plan=reasoning)
-    request = GenerationRequest(fmt.id, prompt, params)
+    plan = await plan_chat(body, raw, engine)
+    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs),
+                     tool_plan=plan.tools, reasoning_plan=plan.reasoning)
+    request = GenerationRequest(fmt.id, plan.prompt, plan.params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
-    if plan.warning:
-        log.warning("request %s: %s", fmt.id, plan.warning)
-        response.headers[WARNING_HEADER] = plan.warning
-    return response
+    return with_tool_warning(response, plan, fmt.id)
 
 
 @router.post("/v1/completions")

@@ -13,12 +13,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
+from typing import ClassVar, Protocol
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from engine.api import (
     ContextLengthError,
@@ -154,8 +155,21 @@ def usage_info(outcomes: list[Outcome]) -> p.UsageInfo:
                        **details)
 
 
+class DataEvents:
+    """How chat and completion streams frame their chunks (OpenAI's): each a `data:` line, an error
+    as one more, then `data: [DONE]`. Formats of other APIs frame theirs otherwise."""
+
+    done_marker: ClassVar[str | None] = "[DONE]"  # the last event's data; None: the stream just ends
+
+    def event(self, chunk: BaseModel) -> str | ServerSentEvent:
+        return _json(chunk)
+
+    def error_event(self, error: APIError) -> str | ServerSentEvent:
+        return _json(error.body())
+
+
 @dataclass
-class ChatFormat:
+class ChatFormat(DataEvents):
     prompt_param = "messages"  # the request field that holds the prompt (not a dataclass field)
     model: str
     fingerprint: str
@@ -194,9 +208,10 @@ class ChatFormat:
             return [self._chunk(p.DeltaMessage(content=event.text), logprobs)]
         return self._piece_chunks(self._reader.feed(event.text), logprobs)
 
-    def finish(self, finish_reason: str) -> list[BaseModel]:
+    def finish(self, outcome: Outcome) -> list[BaseModel]:
         rest = self._piece_chunks(self._reader.finish(), None) if self._reader else []
-        return rest + [self._chunk(p.DeltaMessage(), finish_reason=_finish_reason(finish_reason, self._reader))]
+        return rest + [self._chunk(p.DeltaMessage(), finish_reason=_finish_reason(outcome.finish_reason,
+                                                                                  self._reader))]
 
     def _piece_chunks(self, pieces: list, logprobs) -> list[BaseModel]:
         chunks: list[BaseModel] = []
@@ -261,7 +276,7 @@ def _finish_reason(engine_reason: str | None, reader: OutputReader | None) -> st
 
 
 @dataclass
-class CompletionFormat:
+class CompletionFormat(DataEvents):
     prompt_param = "prompt"
     model: str
     fingerprint: str
@@ -288,8 +303,8 @@ class CompletionFormat:
         logprobs = p.CompletionLogprobs.of(list(event.logprobs), offset) if self.want_logprobs else None
         return [self._chunk(event.text, logprobs)]
 
-    def finish(self, finish_reason: str) -> list[BaseModel]:
-        return [self._chunk("", finish_reason=finish_reason)]
+    def finish(self, outcome: Outcome) -> list[BaseModel]:
+        return [self._chunk("", finish_reason=outcome.finish_reason)]
 
     def usage(self, outcomes: list[Outcome]) -> BaseModel:
         return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
@@ -308,7 +323,21 @@ class CompletionFormat:
                                   finish_reason=outcome.finish_reason)
 
 
-Format = ChatFormat | CompletionFormat
+class Format(Protocol):
+    """What `Serving` needs of an API's wire format (`ChatFormat` and `CompletionFormat` are two)."""
+
+    prompt_param: ClassVar[str]  # the request field that holds the prompt, for errors about it
+    done_marker: ClassVar[str | None]
+
+    def choice(self, index: int) -> Format: ...
+    def outcome(self) -> Outcome: ...
+    def opening(self) -> list[BaseModel]: ...
+    def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]: ...
+    def finish(self, outcome: Outcome) -> list[BaseModel]: ...
+    def usage(self, outcomes: list[Outcome]) -> BaseModel: ...
+    def response(self, outcomes: list[Outcome]) -> BaseModel: ...
+    def event(self, chunk: BaseModel) -> str | ServerSentEvent: ...
+    def error_event(self, error: APIError) -> str | ServerSentEvent: ...
 
 
 # Characters that JSON leaves raw but Python's str.splitlines (and so httpx's `iter_lines`) reads as line
@@ -409,7 +438,7 @@ class Serving:
         stopper = asyncio.ensure_future(self._abort_after_drain(choices, shutdown))
         try:
             async for chunk in self._chunks(choices, fmt, include_usage, timer, ticket):
-                yield _json(chunk)
+                yield fmt.event(chunk)
             status = OK
         except Exception as e:  # after the 200 went out: an error event, then [DONE]
             status = ERROR
@@ -417,13 +446,14 @@ class Serving:
             crash = error.code == "internal_error"
             log.log(logging.ERROR if crash else logging.WARNING, "stream %s failed: %s",
                     choices.current.request_id, error.message, exc_info=crash)
-            yield _json(error.body())
+            yield fmt.error_event(error)
         finally:
             stopper.cancel()
             timer.done(status)
             await choices.current.close()
             self.scheduler.release(ticket)
-        yield "[DONE]"
+        if fmt.done_marker is not None:
+            yield fmt.done_marker
 
     async def _chunks(self, choices: Choices, fmt: Format, include_usage: bool, timer,
                       ticket: Ticket) -> AsyncIterator[BaseModel]:
@@ -442,7 +472,7 @@ class Serving:
                 offset += len(event.text)
                 outcome.add(event)
             _check_finished(outcome, self.shutting_down)
-            for chunk in choice.finish(outcome.finish_reason):
+            for chunk in choice.finish(outcome):
                 yield chunk
             outcomes.append(outcome)
         if include_usage:
