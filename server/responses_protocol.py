@@ -3,7 +3,7 @@ items and its stream events, in the shapes the openai SDK parses (`openai.types.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -23,19 +23,22 @@ class InputContentPart(p.OpenAIBaseModel):
     text: str | None = None
 
 
+Parts = Annotated[list[InputContentPart], Field(max_length=MAX_INPUT_ITEMS)]  # the limit is on lists, not text
+
+
 class InputItem(p.OpenAIBaseModel):
     """One input item: a message (`type` may be omitted), a function call, its output, or a reasoning item.
     Output items of an earlier response are valid input items as they are."""
 
     type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[InputContentPart] | None = Field(default=None, max_length=MAX_INPUT_ITEMS)
+    content: str | Parts | None = None
     id: str | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[InputContentPart] | None = Field(default=None, max_length=MAX_INPUT_ITEMS)
-    summary: list[InputContentPart] | None = Field(default=None, max_length=MAX_INPUT_ITEMS)
+    output: str | Parts | None = None
+    summary: Parts | None = None
 
 
 class FunctionTool(p.OpenAIBaseModel):
@@ -72,7 +75,7 @@ class ReasoningConfig(p.OpenAIBaseModel):
 
 class ResponsesRequest(p.OpenAIBaseModel):
     model: str | None = None  # None: the served model
-    input: str | list[InputItem] = Field(max_length=MAX_INPUT_ITEMS)
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = Field(default=None, max_length=p.MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
