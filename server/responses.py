@@ -72,14 +72,9 @@ def response_not_found(response_id: str, param: str | None = None) -> APIError:
 
 def conversation_of(body: rp.ResponsesRequest, store: ResponseStore) -> list[rp.InputItem]:
     """The earlier turns (from `previous_response_id`) followed by this request's input."""
-    if isinstance(body.input, str):
-        if not body.input:
-            raise InvalidRequestError("input must not be empty", param="input")
-        items = [rp.InputItem(role="user", content=body.input)]
-    else:
-        if not body.input:
-            raise InvalidRequestError("input must not be empty", param="input")
-        items = list(body.input)
+    if not body.input:
+        raise InvalidRequestError("input must not be empty", param="input")
+    items = [rp.InputItem(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
     if body.previous_response_id is None:
         return items
     previous = store.get(body.previous_response_id)

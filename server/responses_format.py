@@ -59,7 +59,7 @@ class OutputBuilder:
         part.text += text
         delta = rp.TextDeltaEvent if kind is rp.MessageItem else rp.ReasoningDeltaEvent
         return events + [delta(type=_delta_type(item), sequence_number=self._sequence(), item_id=item.id,
-                               output_index=len(self.items) - 1, content_index=0, delta=text)]
+                               output_index=self._last, content_index=0, delta=text)]
 
     def _start(self, item: rp.MessageItem | rp.ReasoningItem) -> list[rp.StreamEvent]:
         self.items.append(item)
@@ -76,7 +76,7 @@ class OutputBuilder:
         part = item.content[0]
         done = rp.TextDoneEvent if isinstance(item, rp.MessageItem) else rp.ReasoningDoneEvent
         events = [done(type=_delta_type(item).replace(".delta", ".done"), sequence_number=self._sequence(),
-                       item_id=item.id, output_index=len(self.items) - 1, content_index=0, text=part.text),
+                       item_id=item.id, output_index=self._last, content_index=0, text=part.text),
                   self._part_event("response.content_part.done", item, part)]
         if isinstance(item, rp.MessageItem):
             item.status = status
@@ -86,26 +86,30 @@ class OutputBuilder:
         events = self._close()
         item = rp.FunctionCallItem(call_id=call.id, name=call.name)
         self.items.append(item)
-        index = len(self.items) - 1
         events.append(self._item_event("response.output_item.added", item))
         events.append(rp.ArgumentsDeltaEvent(type="response.function_call_arguments.delta",
-                                             sequence_number=self._sequence(), item_id=item.id, output_index=index,
-                                             delta=call.arguments))
+                                             sequence_number=self._sequence(), item_id=item.id,
+                                             output_index=self._last, delta=call.arguments))
         item.arguments, item.status = call.arguments, "completed"
         events.append(rp.ArgumentsDoneEvent(type="response.function_call_arguments.done",
-                                            sequence_number=self._sequence(), item_id=item.id, output_index=index,
-                                            name=call.name, arguments=call.arguments))
+                                            sequence_number=self._sequence(), item_id=item.id,
+                                            output_index=self._last, name=call.name, arguments=call.arguments))
         return events + [self._item_event("response.output_item.done", item)]
+
+    @property
+    def _last(self) -> int:
+        """The output index of the item being built: always the last one."""
+        return len(self.items) - 1
 
     def _item_event(self, kind: str, item: rp.OutputItem) -> rp.ItemEvent:
         # a copy: the item grows after this event is made, the event shows it as it was
-        return rp.ItemEvent(type=kind, sequence_number=self._sequence(), output_index=self.items.index(item),
+        return rp.ItemEvent(type=kind, sequence_number=self._sequence(), output_index=self._last,
                             item=item.model_copy(deep=True))
 
     def _part_event(self, kind: str, item: rp.MessageItem | rp.ReasoningItem,
                     part: rp.OutputText | rp.ReasoningText) -> rp.ContentPartEvent:
         return rp.ContentPartEvent(type=kind, sequence_number=self._sequence(), item_id=item.id,
-                                   output_index=self.items.index(item), content_index=0,
+                                   output_index=self._last, content_index=0,
                                    part=part.model_copy(deep=True))
 
 

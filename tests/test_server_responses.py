@@ -117,6 +117,7 @@ def test_stream_events_in_order_and_their_text_is_the_whole_response(client, htt
     done = data[-1]["response"]
     assert done["id"] == created["id"] and done["output"] == [data[-2]["item"]]
     assert done["output"][0]["content"][0]["text"] == text and done["usage"] == whole.usage.to_dict()
+    assert http.get(f"/v1/responses/{done['id']}").json() == done  # a streamed response is stored too
 
 
 def test_sdk_consumes_the_stream(client):
