@@ -70,17 +70,27 @@ def response_not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param=param, code=code)
 
 
-def conversation_of(body: rp.ResponsesRequest, store: ResponseStore) -> list[rp.InputItem]:
-    """The earlier turns (from `previous_response_id`) followed by this request's input."""
+@dataclass(frozen=True)
+class Conversation:
+    earlier: list[rp.InputItem]  # the stored turns `previous_response_id` continues
+    new: list[rp.InputItem]  # this request's input
+
+    @property
+    def items(self) -> list[rp.InputItem]:
+        return self.earlier + self.new
+
+
+def conversation_of(body: rp.ResponsesRequest, store: ResponseStore) -> Conversation:
+    """The earlier turns (from `previous_response_id`) and this request's input."""
     if not body.input:
         raise InvalidRequestError("input must not be empty", param="input")
     items = [rp.InputItem(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
     if body.previous_response_id is None:
-        return items
+        return Conversation([], items)
     previous = store.get(body.previous_response_id)
     if previous is None:
         raise response_not_found(body.previous_response_id, param="previous_response_id")
-    return previous.conversation + items
+    return Conversation(previous.conversation, items)
 
 
 def as_input_items(output: list[rp.OutputItem]) -> list[rp.InputItem]:
@@ -103,12 +113,12 @@ def refuse_unsupported(body: rp.ResponsesRequest) -> None:
             raise InvalidRequestError(f"tools[{index}] needs a name", param="tools")
 
 
-def to_chat_request(body: rp.ResponsesRequest, conversation: list[rp.InputItem]) -> p.ChatCompletionRequest:
-    """The chat request that means the same; `conversation`: the input items to answer."""
+def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation) -> p.ChatCompletionRequest:
+    """The chat request that means the same."""
     refuse_unsupported(body)
     messages = ([p.ChatMessage(role="system", content=body.instructions)] if body.instructions else [])
     fields: dict[str, Any] = {
-        "model": body.model, "messages": messages + chat_messages(conversation),
+        "model": body.model, "messages": messages + chat_messages(conversation.items, len(conversation.earlier)),
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
@@ -127,14 +137,15 @@ def to_chat_request(body: rp.ResponsesRequest, conversation: list[rp.InputItem])
             raise InvalidRequestError(f"{param}: {error['msg']}", param=param) from None
 
 
-def chat_messages(items: list[rp.InputItem]) -> list[p.ChatMessage]:
+def chat_messages(items: list[rp.InputItem], first_input: int = 0) -> list[p.ChatMessage]:
     """Input items as chat turns: consecutive function calls join one assistant turn (with the text
-    before them), a call's output is a tool turn, a reasoning item is the next assistant turn's thinking."""
+    before them), a call's output is a tool turn, a reasoning item is the next assistant turn's thinking.
+    `first_input`: the index of the first item of the request's `input` (for errors)."""
     messages: list[p.ChatMessage] = []
     thought: str | None = None
     names: dict[str, str] = {}  # call id -> function name, for the tool turns
     for index, item in enumerate(items):
-        where = f"input[{index}]"
+        where = f"input[{index - first_input}]"
         kind = item.type or "message"
         if kind == "reasoning":
             thought = (thought or "") + _text(item.content or item.summary or [], f"{where}.content")
@@ -250,12 +261,12 @@ def response_shell(body: rp.ResponsesRequest, model: str) -> rp.ResponseObject:
         truncation=body.truncation or "disabled", user=body.user)
 
 
-def keeper(body: rp.ResponsesRequest, store: ResponseStore, conversation: list[rp.InputItem]):
+def keeper(body: rp.ResponsesRequest, store: ResponseStore, conversation: Conversation):
     """What stores a finished response with its conversation (None with `store: false`)."""
     if body.store is False:
         return None
 
     def keep(response: rp.ResponseObject) -> None:
-        store.put(StoredResponse(response, conversation + as_input_items(response.output)))
+        store.put(StoredResponse(response, conversation.items + as_input_items(response.output)))
 
     return keep

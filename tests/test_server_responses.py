@@ -159,6 +159,9 @@ def test_previous_response_id_continues_the_conversation(client, http):
     for method in ("GET", "DELETE"):
         gone = http.request(method, f"/v1/responses/{first.id}")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+    bad_tool_output = [{"type": "function_call_output", "output": "x"}]  # no call_id: named as in this input
+    response = http.post("/v1/responses", json={"input": bad_tool_output, "previous_response_id": second.id})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input[0].call_id"
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="Hi", previous_response_id=first.id)
     assert e.value.body["param"] == "previous_response_id"
