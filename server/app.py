@@ -19,11 +19,12 @@ from server import VERSION
 from server.config import ServerConfig, is_loopback_host
 from server.errors import APIError, install_error_handlers
 from server.metrics import ServerMetrics, status_of
+from server.responses import ResponseStore
 from server.serving import Serving
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 OPEN_PATHS = ("/health",)  # answered without an API key
 
 SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"
@@ -134,6 +135,7 @@ def create_app(
     app.state.tool_call_parser = server_config.tool_call_parser
     app.state.reasoning_parser = server_config.reasoning_parser
     app.state.started = int(time.time())
+    app.state.responses = ResponseStore()  # stored responses, for previous_response_id (in memory)
     metrics = ServerMetrics(
         queue_depth=lambda: app.state.serving.scheduler.depth,
         cache_counters=lambda: app.state.client.engine.cache_counters() if app.state.client.ready else None,

@@ -12,9 +12,12 @@ from starlette.concurrency import run_in_threadpool
 from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
 from server import protocol as p
+from server import responses
 from server.errors import model_not_found
 from server.json_body import StrictJSONRoute
 from server.reasoning import ReasoningPlan, plan_reasoning
+from server.responses_format import ResponsesFormat
+from server.responses_protocol import DeletedResponse, ResponsesRequest
 from server.serving import ChatFormat, CompletionFormat, Serving
 from server.structured import with_response_format
 from server.tools import WARNING_HEADER, ToolPlan, plan_tools
@@ -161,3 +164,35 @@ async def health(raw: Request) -> JSONResponse:
 async def metrics(raw: Request) -> Response:
     body, content_type = raw.app.state.metrics.render()
     return Response(body, media_type=content_type)
+
+
+# -- the Responses API (server/responses.py: translated into the chat pipeline) ----------------
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    store = raw.app.state.responses
+    conversation = responses.conversation_of(body, store)
+    chat = responses.to_chat_request(body, conversation)
+    with responses.chat_errors():
+        plan = await plan_chat(chat, raw, engine)
+        fmt = ResponsesFormat(responses.response_shell(body, engine.model_name), plan.tools, plan.reasoning,
+                              on_done=responses.keeper(body, store, conversation))
+        request = GenerationRequest(fmt.id, plan.prompt, plan.params)
+        response = await serving(raw).run(raw, fmt, request, bool(body.stream))
+    return with_tool_warning(response, plan, fmt.id)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw: Request) -> JSONResponse:
+    stored = raw.app.state.responses.get(response_id)
+    if stored is None:
+        raise responses.response_not_found(response_id)
+    return JSONResponse(stored.response.model_dump(exclude_unset=True))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw: Request) -> JSONResponse:
+    if not raw.app.state.responses.delete(response_id):
+        raise responses.response_not_found(response_id)
+    return JSONResponse(DeletedResponse(id=response_id).model_dump())
