@@ -11,7 +11,10 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
+from server import anthropic_protocol as anthropic
 from server import protocol as p
+from server.anthropic_format import MessagesFormat
+from server.anthropic_messages import to_chat_request
 from server.errors import model_not_found
 from server.json_body import StrictJSONRoute
 from server.reasoning import ReasoningPlan, plan_reasoning
@@ -161,3 +164,24 @@ async def health(raw: Request) -> JSONResponse:
 async def metrics(raw: Request) -> Response:
     body, content_type = raw.app.state.metrics.render()
     return Response(body, media_type=content_type)
+
+
+# -- Anthropic's Messages API: translated to the chat pipeline ------------------------------------
+@router.post("/v1/messages")
+async def create_message(body: anthropic.MessagesRequest, raw: Request) -> Response:
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    plan = await plan_chat(to_chat_request(body), raw, engine)
+    fmt = MessagesFormat(engine.model_name, len(plan.prompt), tool_plan=plan.tools, reasoning_plan=plan.reasoning)
+    request = GenerationRequest(fmt.id, plan.prompt, plan.params)
+    response = await serving(raw).run(raw, fmt, request, bool(body.stream))
+    return with_tool_warning(response, plan, fmt.id)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(body: anthropic.CountTokensRequest, raw: Request) -> anthropic.CountTokensResponse:
+    """The prompt's tokens as `/v1/messages` renders it (tools included); `max_tokens` is not needed."""
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    plan = await plan_chat(to_chat_request(body), raw, engine)
+    return anthropic.CountTokensResponse(input_tokens=len(plan.prompt))

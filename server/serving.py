@@ -132,6 +132,7 @@ class Outcome:
     finish_reason: str | None = None
     usage: Usage | None = None
     reasoning: ReasoningTokens | None = None  # where a reasoning parser reads the output
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     def add(self, event: GenerationEvent) -> None:
         self.text += event.text
@@ -140,6 +141,7 @@ class Outcome:
             self.reasoning.add(event.text, len(event.token_ids))
         if event.finish_reason is not None:
             self.finish_reason, self.usage = event.finish_reason, event.usage
+            self.stop_sequence = event.stop_sequence
 
 
 def usage_info(outcomes: list[Outcome]) -> p.UsageInfo:
@@ -168,6 +170,12 @@ class DataEvents:
         return _json(error.body())
 
 
+def output_reader(tool_plan: ToolPlan, reasoning_plan: ReasoningPlan) -> OutputReader | None:
+    """A fresh reader of one chat output's reasoning and tool calls; None where the text is all answer."""
+    reasoning, calls = reasoning_plan.stream(), tool_plan.stream()
+    return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
+
+
 @dataclass
 class ChatFormat(DataEvents):
     prompt_param = "messages"  # the request field that holds the prompt (not a dataclass field)
@@ -191,8 +199,7 @@ class ChatFormat(DataEvents):
         return Outcome(reasoning=self.reasoning_plan.token_counter())
 
     def _new_reader(self) -> OutputReader | None:
-        reasoning, calls = self.reasoning_plan.stream(), self.tool_plan.stream()
-        return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
+        return output_reader(self.tool_plan, self.reasoning_plan)
 
     def _chunk(self, delta: p.DeltaMessage, logprobs=None, finish_reason=None) -> p.ChatCompletionStreamResponse:
         choice = p.ChatCompletionStreamChoice(index=self.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
