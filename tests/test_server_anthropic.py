@@ -21,7 +21,7 @@ from engine.api import ChatTemplateInfo
 from server.testing import RemoteServer
 from tests.fixtures.models import build_checkpoint
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
-from tests.test_server_faults import InProcessServer, wait_for_health
+from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
 from tests.test_server_tools import ASK, TOOLS, TWO_CALLS, RecordedEngine
 
 MODEL = "tiny-qwen"
@@ -345,3 +345,31 @@ def test_thinking_comes_back_as_a_thinking_block_first(recorded):
                         {"type": "text", "text": "It is sunny."}]
     client.messages.create(**{**body, "thinking": {"type": "disabled"}})
     assert engine.template_kwargs == {"enable_thinking": False}
+
+
+def test_output_config_is_a_json_schema_grammar_and_a_reasoning_effort(recorded):
+    engine, client, _ = recorded
+    engine.output = '{"unit": "celsius"}'
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}
+    message = client.messages.create(model="recorded", messages=ASK, max_tokens=100,
+                                      output_config={"format": {"type": "json_schema", "schema": schema},
+                                                     "effort": "max"})
+    assert engine.params.grammar.startswith("start: %json") and '"celsius"' in engine.params.grammar
+    assert engine.template_kwargs == {"reasoning_effort": "high"}
+    assert json.loads(message.content[0].text) == {"unit": "celsius"}
+
+
+# -- an engine that fails mid-generation --------------------------------------------------------------
+def test_an_error_after_the_stream_started_is_an_error_event_and_before_it_a_500_in_anthropic_shape():
+    with InProcessServer(lambda: ScriptedEngine(fail=True)) as srv:
+        wait_for_health(srv.url, 200)
+        body = {"model": "scripted", "messages": HELLO, "max_tokens": 10}
+        with httpx.stream("POST", f"{srv.url}/v1/messages", json={**body, "stream": True}) as response:
+            events = named_events(response.iter_lines())
+        assert [name for name, _ in events] == ["message_start", "content_block_start", "content_block_delta",
+                                                "content_block_delta", "error"]
+        error = json.loads(events[-1][1])
+        assert error["type"] == "error" and set(error["error"]) == ERROR_KEYS
+        assert error["error"]["type"] == "api_error" and "fell off the bus" in error["error"]["message"]
+        whole = httpx.post(f"{srv.url}/v1/messages", json=body)
+        assert assert_error_shape(whole, 500, "api_error")["code"] == "internal_error"
