@@ -22,7 +22,7 @@ from server.testing import RemoteServer
 from tests.fixtures.models import build_checkpoint
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
-from tests.test_server_tools import ASK, TOOLS, TWO_CALLS, RecordedEngine
+from tests.test_server_tools import ASK, HISTORY, TOOLS, TWO_CALLS, RecordedEngine
 
 MODEL = "tiny-qwen"
 KEY = "sk-ant-test"
@@ -185,6 +185,22 @@ def test_count_tokens_is_the_prompt_a_request_reads_tools_included(client):
     assert counted == prompt_tokens(message.usage)
     without_tools = client.messages.count_tokens(model=MODEL, messages=HELLO, system=system).input_tokens
     assert counted > without_tools + 50  # the tool list is in the prompt
+
+
+ANTHROPIC_HISTORY = ASK + [  # the tool tests' chat HISTORY, as Anthropic's blocks
+    {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "id": "call_2", "name": "get_time", "input": {}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
+        {"type": "tool_result", "tool_use_id": "call_2", "content": [{"type": "text", "text": "14:05"}]}]},
+]
+
+
+def test_tool_history_renders_the_same_prompt_as_the_chat_history_it_means(server, client):
+    counted = client.messages.count_tokens(model=MODEL, messages=ANTHROPIC_HISTORY, tools=ANTHROPIC_TOOLS)
+    chat = server.openai().chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=1)
+    assert counted.input_tokens == chat.usage.prompt_tokens
 
 
 def test_the_key_as_x_api_key_or_bearer_and_a_wrong_one_is_401_in_both_shapes(server):
