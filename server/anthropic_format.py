@@ -35,8 +35,7 @@ def tool_use_id(call: ToolCall) -> str:
 
 
 def tool_input(call: ToolCall) -> dict:
-    arguments = json.loads(call.arguments)  # the parsers pass on only calls whose arguments are JSON
-    return arguments if isinstance(arguments, dict) else {"input": arguments}
+    return json.loads(call.arguments)  # the parsers pass on only calls whose arguments are a JSON object
 
 
 def message_usage(usage: Usage | None) -> a.MessageUsage:
