@@ -118,7 +118,7 @@ def prompt_tokens(usage) -> int:
 
 
 def test_greedy_message_equals_the_chat_completion_and_counts_the_same(server, client):
-    message = client.messages.create(**SDK_GREEDY)
+    message = client.messages.create(**SDK_GREEDY, metadata={"user_id": "someone"})  # accepted, unused
     chat = server.openai().chat.completions.create(**GREEDY)
 
     assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
