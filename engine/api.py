@@ -164,6 +164,7 @@ class GenerationEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the last event
+    stop_sequence: str | None = None  # on a "stop" event: the stop string that ended it; None: end of sequence
 
 
 def supported_families() -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -356,7 +356,9 @@ class Engine:
         if token in self.eos_ids and not ignore_eos:
             return GenerationEvent(stops.flush(), (token,), logprobs, "stop")
         text, stopped = stops.feed(detokenizer.push(token))
-        return GenerationEvent(text, (token,), logprobs, "stop" if stopped else None)
+        if stopped:
+            return GenerationEvent(text, (token,), logprobs, "stop", stop_sequence=stops.matched)
+        return GenerationEvent(text, (token,), logprobs)
 
     def _token_text(self, token_id: int) -> str:
         """The text a token adds after other text (decoding it alone drops a leading space)."""
@@ -529,7 +531,7 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
 
 
 def _with_usage(event: GenerationEvent, usage: Usage) -> GenerationEvent:
-    return GenerationEvent(event.text, event.token_ids, event.logprobs, event.finish_reason, usage)
+    return replace(event, usage=usage)
 
 
 def _group_sizes(layout: QuantLayout | None) -> dict[str, int] | None:

@@ -43,6 +43,7 @@ class StopStringMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was hit (APIs that report it: Anthropic's)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """→ (text safe to emit, whether a stop string was hit)."""
@@ -50,9 +51,10 @@ class StopStringMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(at, stop) for stop in self.stops if (at := self.pending.find(stop)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])  # the earliest; of those, the first listed
+            out, self.pending = self.pending[:at], ""
             return out, True
         keep = self._longest_partial_stop()
         out = self.pending[: len(self.pending) - keep]

@@ -24,7 +24,7 @@ from server.serving import Serving
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 OPEN_PATHS = ("/health",)  # answered without an API key
 
 SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"
@@ -40,7 +40,7 @@ class GuardMiddleware:
         if scope["type"] == "http":
             error = self.check(scope)
             if error is not None:
-                return await error.response()(scope, receive, send)
+                return await error.response(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
     def check(self, scope: Scope) -> APIError | None:
@@ -52,14 +52,24 @@ class GuardMiddleware:
                             code="host_not_allowed")
         if self.api_key is None or scope["path"] in OPEN_PATHS:
             return None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return APIError(401, "Missing API key: send `Authorization: Bearer <key>`.", "invalid_request_error",
-                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        keys = presented_keys(headers)
+        if not keys:
+            return APIError(401, "Missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
+                            "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        # every key compared (constant time each): which one was right must not show in the timing
+        matches = [hmac.compare_digest(key.encode(), self.api_key.encode()) for key in keys]
+        if not any(matches):
             return APIError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
         return None
+
+
+def presented_keys(headers: Headers) -> list[str]:
+    """The API keys a request presents: OpenAI's clients send `Authorization: Bearer`, Anthropic's `x-api-key`."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    keys = [token.strip()] if scheme.lower() == "bearer" else []
+    keys.append(headers.get("x-api-key", "").strip())
+    return [key for key in keys if key]
 
 
 class BodyLimitMiddleware:
@@ -74,7 +84,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self.too_large().response()(scope, receive, send)
+            return await self.too_large().response(scope["path"])(scope, receive, send)
         received = 0
 
         async def counted_receive() -> Message:

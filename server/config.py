@@ -157,8 +157,8 @@ FLAGS: tuple[Flag, ...] = (
          "one context's KV memory with the running request; 0 turns reuse off", "N"),
     Flag("--record-trace", EngineConfig, str, "append every request's expert routing to FILE "
          "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
-    Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` on every endpoint "
-         "but /health", "KEY", default_text="none: no authentication"),
+    Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every "
+         "endpoint but /health", "KEY", default_text="none: no authentication"),
     Flag("--max-queue", ServerConfig, int, "requests waiting or running at once; beyond it the "
          "server answers 503 with Retry-After", "N"),
     Flag("--max-request-bytes", ServerConfig, int, "largest request body in bytes; a larger one gets 413 "

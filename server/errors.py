@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; on Anthropic's paths
+(`/v1/messages`) in Anthropic's, around the same keys: `{"type": "error", "error": {...}}`.
 
 Every failure the server reports goes through `APIError`: engine errors are mapped onto
 it, FastAPI's 422 validation errors become 400, unknown routes 404, crashes 500.
@@ -21,12 +22,20 @@ from engine.api import (
     InvalidRequestError,
     QueueFullError,
 )
-from server.protocol import ErrorInfo, ErrorResponse
+from server.protocol import AnthropicErrorResponse, ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
 
 QUEUE_RETRY_AFTER_S = 1
 LOADING_RETRY_AFTER_S = 5
+ANTHROPIC_PATH = "/v1/messages"  # and the paths under it
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's shape (its SDK reads only that)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class APIError(Exception):
@@ -46,8 +55,16 @@ class APIError(Exception):
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> AnthropicErrorResponse:
+        """Anthropic's shape, with its type names (`not_found_error`, ...) where they differ from OpenAI's."""
+        info = ErrorInfo(message=self.message, type=ANTHROPIC_TYPES.get(self.status, self.type), param=self.param,
+                         code=self.code)
+        return AnthropicErrorResponse(error=info)
+
+    def response(self, path: str = "") -> JSONResponse:
+        """`path`: the request's; it picks the API whose shape the error takes."""
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 def model_not_found(name: str) -> APIError:
@@ -113,7 +130,7 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     def answer(request: Request, error: APIError) -> JSONResponse:
         if on_error is not None:
             on_error(request, error)
-        return error.response()
+        return error.response(request.url.path)
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         return answer(request, to_api_error(exc))
@@ -160,4 +177,4 @@ class CrashMiddleware:
             error = to_api_error(exc)
             if self.on_error is not None:
                 self.on_error(Request(scope), error)
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)

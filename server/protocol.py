@@ -100,6 +100,13 @@ class ErrorResponse(ResponseModel):
     error: ErrorInfo
 
 
+class AnthropicErrorResponse(ResponseModel):
+    """Anthropic's error shape around OpenAI's four keys: a client of either API reads it."""
+
+    type: Literal["error"] = "error"
+    error: ErrorInfo
+
+
 # -- models ---------------------------------------------------------------------------------
 class ModelCard(ResponseModel):
     id: str

@@ -21,7 +21,7 @@ from engine.api import GenerationEvent
 from server import responses_protocol as rp
 from server.errors import APIError
 from server.reasoning import OutputReader, Reasoning, ReasoningPlan
-from server.serving import Outcome, _json, usage_info
+from server.serving import NamedEvents, Outcome, output_reader, usage_info
 from server.tool_parsers import ToolCall
 from server.tools import ToolPlan
 
@@ -118,12 +118,11 @@ def _delta_type(item: rp.MessageItem | rp.ReasoningItem) -> str:
 
 
 @dataclass
-class ResponsesFormat:
+class ResponsesFormat(NamedEvents):
     """One response (the Responses API has no `n`). `shell`: the response object as created (its id,
     model and the request's settings); `on_done` sees the finished response (to store it)."""
 
     prompt_param: ClassVar[str] = "input"
-    done_marker: ClassVar[str | None] = None
     shell: rp.ResponseObject
     tool_plan: ToolPlan = field(default_factory=ToolPlan)
     reasoning_plan: ReasoningPlan = field(default_factory=ReasoningPlan)
@@ -142,8 +141,7 @@ class ResponsesFormat:
         return next(self._sequence)
 
     def _new_reader(self) -> OutputReader | None:
-        reasoning, calls = self.reasoning_plan.stream(), self.tool_plan.stream()
-        return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
+        return output_reader(self.tool_plan, self.reasoning_plan)
 
     def choice(self, index: int) -> ResponsesFormat:
         return self  # always one generation
@@ -174,9 +172,6 @@ class ResponsesFormat:
         builder.add(reader.feed(outcome.text) + reader.finish() if reader else [outcome.text])
         builder.close(outcome.finish_reason == "length")
         return self._done(builder.items, outcome)
-
-    def event(self, chunk: BaseModel) -> ServerSentEvent:
-        return ServerSentEvent(data=_json(chunk), event=chunk.type)
 
     def error_event(self, error: APIError) -> ServerSentEvent:
         return self.event(rp.ErrorEvent(type="error", sequence_number=self._next(), code=error.code,

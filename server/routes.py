@@ -11,8 +11,10 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
+from server import anthropic_messages, responses
+from server import anthropic_protocol as anthropic
 from server import protocol as p
-from server import responses
+from server.anthropic_format import MessagesFormat
 from server.errors import model_not_found
 from server.json_body import StrictJSONRoute
 from server.reasoning import ReasoningPlan, plan_reasoning
@@ -196,3 +198,24 @@ async def delete_response(response_id: str, raw: Request) -> JSONResponse:
     if not raw.app.state.responses.delete(response_id):
         raise responses.response_not_found(response_id)
     return JSONResponse(DeletedResponse(id=response_id).model_dump())
+
+
+# -- Anthropic's Messages API: translated to the chat pipeline ------------------------------------
+@router.post("/v1/messages")
+async def create_message(body: anthropic.MessagesRequest, raw: Request) -> Response:
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    plan = await plan_chat(anthropic_messages.to_chat_request(body), raw, engine)
+    fmt = MessagesFormat(engine.model_name, len(plan.prompt), tool_plan=plan.tools, reasoning_plan=plan.reasoning)
+    request = GenerationRequest(fmt.id, plan.prompt, plan.params)
+    response = await serving(raw).run(raw, fmt, request, bool(body.stream))
+    return with_tool_warning(response, plan, fmt.id)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(body: anthropic.CountTokensRequest, raw: Request) -> anthropic.CountTokensResponse:
+    """The prompt's tokens as `/v1/messages` renders it (tools included); `max_tokens` is not needed."""
+    _accept(body)
+    engine = ready_engine(raw, body.model)
+    plan = await plan_chat(anthropic_messages.to_chat_request(body), raw, engine)
+    return anthropic.CountTokensResponse(input_tokens=len(plan.prompt))

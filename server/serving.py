@@ -132,6 +132,7 @@ class Outcome:
     finish_reason: str | None = None
     usage: Usage | None = None
     reasoning: ReasoningTokens | None = None  # where a reasoning parser reads the output
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     def add(self, event: GenerationEvent) -> None:
         self.text += event.text
@@ -140,6 +141,7 @@ class Outcome:
             self.reasoning.add(event.text, len(event.token_ids))
         if event.finish_reason is not None:
             self.finish_reason, self.usage = event.finish_reason, event.usage
+            self.stop_sequence = event.stop_sequence
 
 
 def usage_info(outcomes: list[Outcome]) -> p.UsageInfo:
@@ -162,10 +164,26 @@ class DataEvents:
     done_marker: ClassVar[str | None] = "[DONE]"  # the last event's data; None: the stream just ends
 
     def event(self, chunk: BaseModel) -> str | ServerSentEvent:
-        return _json(chunk)
+        return event_data(chunk)
 
     def error_event(self, error: APIError) -> str | ServerSentEvent:
-        return _json(error.body())
+        return event_data(error.body())
+
+
+def output_reader(tool_plan: ToolPlan, reasoning_plan: ReasoningPlan) -> OutputReader | None:
+    """A fresh reader of one chat output's reasoning and tool calls; None where the text is all answer."""
+    reasoning, calls = reasoning_plan.stream(), tool_plan.stream()
+    return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
+
+
+class NamedEvents:
+    """How the Responses and Anthropic streams frame theirs: each event named by its chunk's `type`
+    (`event: response.output_text.delta`), and no [DONE]: the last event says it is the last."""
+
+    done_marker: ClassVar[str | None] = None
+
+    def event(self, chunk: BaseModel) -> ServerSentEvent:
+        return ServerSentEvent(data=event_data(chunk), event=chunk.type)
 
 
 @dataclass
@@ -191,8 +209,7 @@ class ChatFormat(DataEvents):
         return Outcome(reasoning=self.reasoning_plan.token_counter())
 
     def _new_reader(self) -> OutputReader | None:
-        reasoning, calls = self.reasoning_plan.stream(), self.tool_plan.stream()
-        return OutputReader(reasoning, calls) if reasoning is not None or calls is not None else None
+        return output_reader(self.tool_plan, self.reasoning_plan)
 
     def _chunk(self, delta: p.DeltaMessage, logprobs=None, finish_reason=None) -> p.ChatCompletionStreamResponse:
         choice = p.ChatCompletionStreamChoice(index=self.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
@@ -345,7 +362,7 @@ class Format(Protocol):
 SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _json(model: BaseModel) -> str:
+def event_data(model: BaseModel) -> str:
     """A stream event's data: one line, whatever the text."""
     return model.model_dump_json(exclude_unset=True).translate(SPLITLINES_BREAKS)
 

@@ -64,7 +64,7 @@ def test_stop_string_spanning_tokens_ends_generation_before_it(engine):
     assert full.count(stop) >= 1
     text, events = run(engine, prompt, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
     assert text == full[: full.index(stop)]
-    assert events[-1].finish_reason == "stop"
+    assert events[-1].finish_reason == "stop" and events[-1].stop_sequence == stop  # said which one matched
     assert stop not in "".join(e.text for e in events)
 
 
@@ -91,6 +91,7 @@ def test_eos_ends_with_stop_and_is_not_emitted(engine):
     eos = min(engine.eos_ids)
     text, events = run(engine, prompt, temperature=0, max_tokens=10, logit_bias={eos: 100})
     assert events[-1].finish_reason == "stop" and events[-1].token_ids == (eos,)
+    assert events[-1].stop_sequence is None  # not a stop string
     assert text == ""
 
 

@@ -52,3 +52,12 @@ def test_earliest_of_several_stop_strings_wins():
 def test_without_stop_strings_everything_passes_through():
     matcher = StopStringMatcher([])
     assert matcher.feed("abc") == ("abc", False)
+
+
+def test_the_matched_stop_string_is_kept():
+    matcher = StopStringMatcher(["world", "lo w", "hel"])
+    assert matcher.matched is None
+    assert matcher.feed("hello world") == ("", True)
+    assert matcher.matched == "hel"
+    later = StopStringMatcher(["xyz", "lo"])
+    assert later.feed("hello") == ("hel", True) and later.matched == "lo"
