@@ -1,5 +1,5 @@
 """The Responses API (`/v1/responses`) translated into the chat pipeline: a `ResponsesRequest` becomes a
-`ChatCompletionRequest` (input items -> chat messages, flat tools -> chat tools, `text.format` ->
+`ChatCompletionRequest` (input items -> chat messages, tools -> chat functions (`responses_tools`), `text.format` ->
 `response_format`), and errors the chat pipeline raises name the Responses request's fields.
 
 Stored responses (`store`, the default) are kept in memory, the most recent `STORED_RESPONSES`:
@@ -20,6 +20,7 @@ from engine.api import ContextLengthError, InvalidRequestError
 from server import protocol as p
 from server import responses_protocol as rp
 from server.errors import APIError
+from server.responses_tools import ResponseTools, chat_tool_name, custom_arguments
 
 STORED_RESPONSES = 128
 TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
@@ -105,16 +106,11 @@ def refuse_unsupported(body: rp.ResponsesRequest) -> None:
     if "message.output_text.logprobs" in (body.include or []):
         raise InvalidRequestError("logprobs are not supported on /v1/responses; use /v1/chat/completions",
                                   param="include")
-    for index, tool in enumerate(body.tools or []):
-        if tool.type != "function":
-            raise InvalidRequestError(f"tool type {tool.type!r} is not supported: only function tools are",
-                                      param="tools", code="unsupported_tool_type")
-        if not tool.name:
-            raise InvalidRequestError(f"tools[{index}] needs a name", param="tools")
 
 
-def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation) -> p.ChatCompletionRequest:
-    """The chat request that means the same."""
+def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation, tools: ResponseTools,
+                    ) -> p.ChatCompletionRequest:
+    """The chat request that means the same (`tools`: the request's, as `response_tools` read them)."""
     refuse_unsupported(body)
     messages = ([p.ChatMessage(role="system", content=body.instructions)] if body.instructions else [])
     fields: dict[str, Any] = {
@@ -123,7 +119,7 @@ def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation) -> p.
         "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos, "user": body.user,
-        "tools": _chat_tools(body.tools), "tool_choice": _chat_tool_choice(body.tool_choice),
+        "tools": tools.functions or None, "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "chat_template_kwargs": body.chat_template_kwargs,
@@ -156,8 +152,8 @@ def chat_messages(items: list[rp.InputItem], first_input: int = 0) -> list[p.Cha
             if item.role == "assistant" and thought:
                 message.reasoning_content, thought = thought, None
             messages.append(message)
-        elif kind == "function_call":
-            call = _function_call(item, where)
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _tool_call(item, where)
             names[call.id] = call.function.name
             last = messages[-1] if messages else None
             if last is None or last.role != "assistant":  # else the call joins the assistant's turn
@@ -166,7 +162,7 @@ def chat_messages(items: list[rp.InputItem], first_input: int = 0) -> list[p.Cha
             last.tool_calls = (last.tool_calls or []) + [call]
             if thought:
                 last.reasoning_content, thought = thought, None
-        else:  # function_call_output
+        else:  # function_call_output, custom_tool_call_output
             if not item.call_id:
                 raise InvalidRequestError(f"{where}.call_id is required", param=f"{where}.call_id")
             output = _text(item.output if item.output is not None else "", f"{where}.output")
@@ -175,11 +171,14 @@ def chat_messages(items: list[rp.InputItem], first_input: int = 0) -> list[p.Cha
     return messages
 
 
-def _function_call(item: rp.InputItem, where: str) -> p.ToolCallIn:
+def _tool_call(item: rp.InputItem, where: str) -> p.ToolCallIn:
+    """A function or custom tool call as the chat tool call the model wrote for it."""
     for field in ("call_id", "name"):
         if not getattr(item, field):
-            raise InvalidRequestError(f"{where}.{field} is required for a function_call", param=f"{where}.{field}")
-    return p.ToolCallIn(id=item.call_id, function=p.FunctionCallIn(name=item.name, arguments=item.arguments or "{}"))
+            raise InvalidRequestError(f"{where}.{field} is required for a {item.type}", param=f"{where}.{field}")
+    arguments = custom_arguments(item.input or "") if item.type == "custom_tool_call" else item.arguments or "{}"
+    name = chat_tool_name(item.name, item.namespace)
+    return p.ToolCallIn(id=item.call_id, function=p.FunctionCallIn(name=name, arguments=arguments))
 
 
 def _text(content: str | list[rp.InputContentPart], where: str) -> str:
@@ -190,14 +189,6 @@ def _text(content: str | list[rp.InputContentPart], where: str) -> str:
             raise InvalidRequestError(f"{where}[{index}]: only text parts are supported (got {part.type!r})",
                                       param=f"{where}[{index}]")
     return "".join(part.text for part in content)
-
-
-def _chat_tools(tools: list[rp.FunctionTool] | None) -> list[p.ToolDefinition] | None:
-    if not tools:
-        return None
-    return [p.ToolDefinition(type="function", function=p.FunctionDefinition(
-        name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict))
-        for tool in tools]
 
 
 def _chat_tool_choice(choice: str | rp.NamedFunction | None) -> str | p.NamedToolChoice | None:

@@ -21,6 +21,7 @@ from engine.api import GenerationEvent
 from server import responses_protocol as rp
 from server.errors import APIError
 from server.reasoning import OutputReader, Reasoning, ReasoningPlan
+from server.responses_tools import ResponseTools
 from server.serving import NamedEvents, Outcome, output_reader, usage_info
 from server.tool_parsers import ToolCall
 from server.tools import ToolPlan
@@ -29,9 +30,10 @@ from server.tools import ToolPlan
 class OutputBuilder:
     """Output items built from an `OutputReader`'s pieces, and the stream events that build them."""
 
-    def __init__(self, sequence: Callable[[], int]) -> None:
+    def __init__(self, sequence: Callable[[], int], tools: ResponseTools) -> None:
         self.items: list[rp.OutputItem] = []
         self._sequence = sequence
+        self._tools = tools  # what a parsed call becomes
         self._open: rp.MessageItem | rp.ReasoningItem | None = None  # the item text is streaming into
 
     def add(self, pieces: list) -> list[rp.StreamEvent]:
@@ -83,17 +85,28 @@ class OutputBuilder:
         return events + [self._item_event("response.output_item.done", item)]
 
     def _call(self, call: ToolCall) -> list[rp.StreamEvent]:
+        """A whole call: its item added as it starts (no input yet), its input at once, the item done."""
         events = self._close()
-        item = rp.FunctionCallItem(call_id=call.id, name=call.name)
+        item = self._tools.output_item(call)
+        custom = isinstance(item, rp.CustomToolCallItem)
         self.items.append(item)
-        events.append(self._item_event("response.output_item.added", item))
-        events.append(rp.ArgumentsDeltaEvent(type="response.function_call_arguments.delta",
+        started = item.model_copy(update={"input": ""} if custom else {"arguments": "", "status": "in_progress"})
+        events.append(rp.ItemEvent(type="response.output_item.added", sequence_number=self._sequence(),
+                                   output_index=self._last, item=started))
+        if custom:
+            events += [rp.CustomInputDeltaEvent(type="response.custom_tool_call_input.delta",
+                                                sequence_number=self._sequence(), item_id=item.id,
+                                                output_index=self._last, delta=item.input),
+                       rp.CustomInputDoneEvent(type="response.custom_tool_call_input.done",
+                                               sequence_number=self._sequence(), item_id=item.id,
+                                               output_index=self._last, input=item.input)]
+        else:
+            events += [rp.ArgumentsDeltaEvent(type="response.function_call_arguments.delta",
+                                              sequence_number=self._sequence(), item_id=item.id,
+                                              output_index=self._last, delta=item.arguments),
+                       rp.ArgumentsDoneEvent(type="response.function_call_arguments.done",
                                              sequence_number=self._sequence(), item_id=item.id,
-                                             output_index=self._last, delta=call.arguments))
-        item.arguments, item.status = call.arguments, "completed"
-        events.append(rp.ArgumentsDoneEvent(type="response.function_call_arguments.done",
-                                            sequence_number=self._sequence(), item_id=item.id,
-                                            output_index=self._last, name=call.name, arguments=call.arguments))
+                                             output_index=self._last, name=item.name, arguments=item.arguments)]
         return events + [self._item_event("response.output_item.done", item)]
 
     @property
@@ -126,12 +139,13 @@ class ResponsesFormat(NamedEvents):
     shell: rp.ResponseObject
     tool_plan: ToolPlan = field(default_factory=ToolPlan)
     reasoning_plan: ReasoningPlan = field(default_factory=ReasoningPlan)
+    tools: ResponseTools = field(default_factory=ResponseTools)  # the request's, for the calls' items
     on_done: Callable[[rp.ResponseObject], None] | None = None
 
     def __post_init__(self) -> None:
         self._sequence = itertools.count()
         self._reader = self._new_reader()
-        self._builder = OutputBuilder(self._next)
+        self._builder = OutputBuilder(self._next, self.tools)
 
     @property
     def id(self) -> str:
@@ -168,7 +182,7 @@ class ResponsesFormat(NamedEvents):
 
     def response(self, outcomes: list[Outcome]) -> BaseModel:
         (outcome,) = outcomes
-        builder, reader = OutputBuilder(lambda: 0), self._new_reader()
+        builder, reader = OutputBuilder(lambda: 0, self.tools), self._new_reader()
         builder.add(reader.feed(outcome.text) + reader.finish() if reader else [outcome.text])
         builder.close(outcome.finish_reason == "length")
         return self._done(builder.items, outcome)

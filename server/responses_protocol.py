@@ -27,32 +27,46 @@ Parts = Annotated[list[InputContentPart], Field(max_length=MAX_INPUT_ITEMS)]  # 
 
 
 class InputItem(p.OpenAIBaseModel):
-    """One input item: a message (`type` may be omitted), a function call, its output, or a reasoning item.
-    Output items of an earlier response are valid input items as they are."""
+    """One input item: a message (`type` may be omitted), a function or custom tool call, its output, or a
+    reasoning item. Output items of an earlier response are valid input items as they are."""
 
-    type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = None
+    type: Literal["message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+                  "reasoning"] | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | Parts | None = None
     id: str | None = None
     call_id: str | None = None
     name: str | None = None
-    arguments: str | None = None
+    namespace: str | None = None  # a call to a tool of a `namespace` tool
+    arguments: str | None = None  # a function call's
+    input: str | None = None  # a custom tool call's raw text
     output: str | Parts | None = None
     summary: Parts | None = None
 
 
-class FunctionTool(p.OpenAIBaseModel):
-    """Responses' flat function tool; other tool types (web_search, file_search, ...) are refused."""
+class CustomToolFormat(p.OpenAIBaseModel):
+    """What a custom (freeform) tool's input must be: any text, or text a grammar accepts."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class RequestTool(p.OpenAIBaseModel):
+    """A tool as the Responses API declares it: `function` (flat), `custom` (freeform text input),
+    `namespace` (a group of those), or a tool hosted by OpenAI (`web_search`, ...), which is not run here."""
 
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    format: CustomToolFormat | None = None  # a custom tool's
+    tools: list[RequestTool] | None = Field(default=None, max_length=p.MAX_TOOLS)  # a namespace's
 
 
 class NamedFunction(p.OpenAIBaseModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -77,7 +91,7 @@ class ResponsesRequest(p.OpenAIBaseModel):
     model: str | None = None  # None: the served model
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=p.MAX_TOOLS)
+    tools: list[RequestTool] | None = Field(default=None, max_length=p.MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
@@ -135,15 +149,28 @@ class ReasoningItem(p.ResponseModel):
 
 
 class FunctionCallItem(p.ResponseModel):
+    _omit_unless_given = frozenset({"namespace"})
     type: Literal["function_call"] = "function_call"
     id: str = Field(default_factory=lambda: item_id("fc"))
     call_id: str
     name: str
+    namespace: str | None = None
     arguments: str = ""
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
 
 
-OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+class CustomToolCallItem(p.ResponseModel):
+    _omit_unless_given = frozenset({"namespace"})
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str = Field(default_factory=lambda: item_id("ctc"))
+    call_id: str
+    name: str
+    namespace: str | None = None
+    input: str = ""
+
+
+ToolCallItem = FunctionCallItem | CustomToolCallItem
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem | CustomToolCallItem
 
 
 class InputTokensDetails(p.ResponseModel):
@@ -267,6 +294,18 @@ class ArgumentsDoneEvent(StreamEvent):  # response.function_call_arguments.done
     output_index: int
     name: str
     arguments: str
+
+
+class CustomInputDeltaEvent(StreamEvent):  # response.custom_tool_call_input.delta
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomInputDoneEvent(StreamEvent):  # response.custom_tool_call_input.done
+    item_id: str
+    output_index: int
+    input: str
 
 
 class ErrorEvent(StreamEvent):

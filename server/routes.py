@@ -20,6 +20,7 @@ from server.json_body import StrictJSONRoute
 from server.reasoning import ReasoningPlan, plan_reasoning
 from server.responses_format import ResponsesFormat
 from server.responses_protocol import DeletedResponse, ResponsesRequest
+from server.responses_tools import response_tools
 from server.serving import ChatFormat, CompletionFormat, Serving
 from server.structured import with_response_format
 from server.tools import WARNING_HEADER, ToolPlan, plan_tools
@@ -75,11 +76,13 @@ async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine) -> Chat
     return ChatPlan(prompt, reasoning.sampling_params(params), tools, reasoning)
 
 
-def with_tool_warning(response: Response, plan: ChatPlan, request_id: str) -> Response:
-    """Tools offered to a model that cannot read them back: said in a header and the log."""
-    if plan.tools.warning:
-        log.warning("request %s: %s", request_id, plan.tools.warning)
-        response.headers[WARNING_HEADER] = plan.tools.warning
+def with_tool_warning(response: Response, plan: ChatPlan, request_id: str, other: str | None = None) -> Response:
+    """Tools the model could not be offered or read back (`other`: the API's own reason): said in a header
+    and the log."""
+    warning = "; ".join(w for w in (other, plan.tools.warning) if w)
+    if warning:
+        log.warning("request %s: %s", request_id, warning)
+        response.headers[WARNING_HEADER] = warning
     return response
 
 
@@ -175,14 +178,15 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     engine = ready_engine(raw, body.model)
     store = raw.app.state.responses
     conversation = responses.conversation_of(body, store)
-    chat = responses.to_chat_request(body, conversation)
+    tools = response_tools(body.tools)
+    chat = responses.to_chat_request(body, conversation, tools)
     with responses.chat_errors():
         plan = await plan_chat(chat, raw, engine)
-        fmt = ResponsesFormat(responses.response_shell(body, engine.model_name), plan.tools, plan.reasoning,
+        fmt = ResponsesFormat(responses.response_shell(body, engine.model_name), plan.tools, plan.reasoning, tools,
                               on_done=responses.keeper(body, store, conversation))
         request = GenerationRequest(fmt.id, plan.prompt, plan.params)
         response = await serving(raw).run(raw, fmt, request, bool(body.stream))
-    return with_tool_warning(response, plan, fmt.id)
+    return with_tool_warning(response, plan, fmt.id, tools.warning)
 
 
 @router.get("/v1/responses/{response_id}")

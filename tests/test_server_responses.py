@@ -15,13 +15,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import ResponseFunctionToolCall
+from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall
 
 from engine.api import ChatTemplateInfo
 from server import responses_protocol as rp
 from server.errors import APIError
 from server.responses_format import ResponsesFormat
 from server.testing import RemoteServer, sse_data
+from server.tools import WARNING_HEADER
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_faults import InProcessServer, wait_for_health
 from tests.test_server_tools import ASK, TOOLS, TWO_CALLS, RecordedEngine
@@ -187,8 +188,11 @@ def test_text_format_json_schema_gives_valid_json(client):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"tools": [{"type": "web_search"}]}, 400, "tools"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, 400, "tools"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, 400, "tools[0].name"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]}, 400, "tools[0].tools[0].type"),
+    ({"tools": [FLAT_TOOLS[0], {**FLAT_TOOLS[0], "description": "again"}]}, 400, "tools[1].name"),
+    ({"tools": [{"type": "custom", "name": "patch", "format": {"type": "grammar", "syntax": "ebnf"}}]}, 400,
+     "tools[0].format.syntax"),
     ({"background": True}, 400, "background"),
     ({"max_output_tokens": -1}, 400, "max_output_tokens"),
     ({"max_output_tokens": 10**6}, 400, "input"),  # the context's room: as chat's, named after the prompt
@@ -215,6 +219,15 @@ def test_bad_requests_are_openai_shaped_errors_naming_the_field(http, body, stat
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == ERROR_KEYS and error["message"] and error["param"] == param, error
+
+
+def test_hosted_tools_are_left_out_with_a_warning(http):
+    """Codex declares OpenAI's hosted tools with its own: the request is answered without them."""
+    tools = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}, {"type": "web_search"}]
+    response = http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": 2, "tools": tools})
+    assert response.status_code == 200, response.text
+    assert response.headers[WARNING_HEADER].endswith("not offered to the model: web_search, file_search")
+    assert [tool["type"] for tool in response.json()["tools"]] == ["web_search", "file_search", "web_search"]
 
 
 def test_a_long_input_is_refused_against_the_input(http):
@@ -364,3 +377,85 @@ def test_an_error_after_the_stream_began_is_an_error_event_in_sequence():
     assert [e.sequence_number for e in opening] == [0, 1] and event.event == "error"
     assert json.loads(event.data) == {"type": "error", "sequence_number": 2, "code": "server_shutdown",
                                       "message": "the server is shutting down", "param": None}
+
+
+# -- Codex's tools: custom (freeform) tools and namespaces -------------------------------------
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch"
+PATCH_GRAMMAR = 'start: "*** Begin Patch" /(.|\\n)+/ "*** End Patch"'
+CODEX_TOOLS = [
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}},
+    {"type": "namespace", "name": "mcp__fs", "description": "Files.", "tools": [
+        {"type": "function", "name": "read", "description": "Read a file.",
+         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]},
+    {"type": "web_search"},
+]
+CODEX_CALLS = ("<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}) + "\n</tool_call>\n"
+               "<tool_call>\n" + json.dumps({"name": "mcp__fs__read", "arguments": {"path": "a.txt"}}) + "\n</tool_call>")
+
+
+def check_codex_calls(response) -> None:
+    custom, function = response.output
+    assert isinstance(custom, ResponseCustomToolCall) and isinstance(function, ResponseFunctionToolCall)
+    assert (custom.name, custom.input, custom.namespace) == ("apply_patch", PATCH, None)
+    assert custom.id.startswith("ctc_") and custom.call_id.startswith("call_")
+    assert (function.namespace, function.name, json.loads(function.arguments)) == ("mcp__fs", "read", {"path": "a.txt"})
+
+
+def test_custom_and_namespaced_tools_are_offered_as_functions_and_calls_come_back_in_kind(recorded):
+    engine, client, url = recorded
+    engine.output = CODEX_CALLS
+    whole = client.responses.create(model="recorded", input=ASK, tools=CODEX_TOOLS)
+    offered = {tool["function"]["name"]: tool["function"] for tool in engine.tools}
+    assert list(offered) == ["apply_patch", "mcp__fs__read"]  # web_search left out
+    assert offered["apply_patch"]["parameters"]["properties"] == {"input": {"type": "string"}}
+    assert offered["apply_patch"]["description"].startswith("Edit files.") and PATCH_GRAMMAR in (
+        offered["apply_patch"]["description"])
+    assert offered["mcp__fs__read"]["parameters"] == CODEX_TOOLS[1]["tools"][0]["parameters"]
+    with client.responses.stream(model="recorded", input=ASK, tools=CODEX_TOOLS) as stream:
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        check_codex_calls(response)
+
+    with httpx.Client(base_url=url) as http:
+        events = stream_events(http, {"input": ASK, "tools": CODEX_TOOLS})
+    names, data = [name for name, _ in events], [d for _, d in events]
+    assert shape(names) == (
+        "response.created response.in_progress response.output_item.added response.custom_tool_call_input.delta "
+        "response.custom_tool_call_input.done response.output_item.done response.output_item.added "
+        "response.function_call_arguments.delta response.function_call_arguments.done response.output_item.done "
+        "response.completed")
+    added, done = data[2]["item"], data[5]["item"]
+    assert (added["type"], added["input"], "namespace" in added) == ("custom_tool_call", "", False)
+    assert data[4]["input"] == data[3]["delta"] == done["input"] == PATCH
+    assert data[6]["item"]["namespace"] == "mcp__fs" and data[6]["item"]["name"] == "read"
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+
+
+def test_custom_tool_history_reaches_the_template_as_tool_turns(recorded):
+    engine, client, _ = recorded
+    engine.output = CODEX_CALLS
+    first = client.responses.create(model="recorded", input=ASK, tools=CODEX_TOOLS)
+    custom, function = first.output
+    results = [{"type": "custom_tool_call_output", "call_id": custom.call_id, "output": "Done!"},
+               {"type": "function_call_output", "call_id": function.call_id, "output": "hello"}]
+    engine.output = "The file is written."
+    history = ASK + [item.model_dump(exclude_none=True) for item in first.output] + results
+    client.responses.create(model="recorded", input=history, tools=CODEX_TOOLS)
+    sent = engine.messages
+    client.responses.create(model="recorded", input=results, tools=CODEX_TOOLS, previous_response_id=first.id)
+
+    assert engine.messages == sent
+    _, assistant, *tools = sent
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in assistant["tool_calls"]] == [
+        (custom.call_id, "apply_patch", {"input": PATCH}), (function.call_id, "mcp__fs__read", {"path": "a.txt"})]
+    assert [(t["tool_call_id"], t["name"], t["content"]) for t in tools] == [
+        (custom.call_id, "apply_patch", "Done!"), (function.call_id, "mcp__fs__read", "hello")]
+
+
+def test_a_custom_tool_can_be_the_forced_choice(recorded):
+    engine, client, _ = recorded
+    engine.output = CODEX_CALLS
+    client.responses.create(model="recorded", input=ASK, tools=CODEX_TOOLS,
+                            tool_choice={"type": "custom", "name": "apply_patch"})
+    assert '"const": "apply_patch"' in engine.params.grammar and "mcp__fs__read" not in engine.params.grammar
