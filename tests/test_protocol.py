@@ -8,7 +8,7 @@ import pytest
 from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
 from server import protocol as p
 from server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
-from server.serving import _json, choice_requests
+from server.serving import choice_requests, event_data
 
 CHAT = [{"role": "user", "content": "hi"}]
 MODEL_DEFAULTS = {"temperature": 0.2, "top_p": 0.5, "repetition_penalty": 1.1}
@@ -54,6 +54,6 @@ def test_a_stream_event_s_data_is_one_line_for_any_line_splitter():
     text = "a\u2028b\u2029c\x85d\x0be\x1cf\r\ng"
     chunk = p.ChatCompletionStreamResponse(id="x", model="m", choices=[
         p.ChatCompletionStreamChoice(index=0, delta=p.DeltaMessage(content=text))])
-    data = _json(chunk)
+    data = event_data(chunk)
     assert len(data.splitlines()) == 1
     assert json.loads(data)["choices"][0]["delta"]["content"] == text
