@@ -211,7 +211,8 @@ async def create_message(body: anthropic.MessagesRequest, raw: Request) -> Respo
     engine = ready_engine(raw, body.model)
     plan = await plan_chat(anthropic_messages.to_chat_request(body), raw, engine)
     fmt = MessagesFormat(engine.model_name, len(plan.prompt), tool_plan=plan.tools, reasoning_plan=plan.reasoning)
-    request = GenerationRequest(fmt.id, plan.prompt, plan.params)
+    params = anthropic_messages.within_context(plan.params, len(plan.prompt), engine.max_model_len)
+    request = GenerationRequest(fmt.id, plan.prompt, params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream))
     return with_tool_warning(response, plan, fmt.id)
 

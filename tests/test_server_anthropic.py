@@ -218,6 +218,15 @@ def test_the_key_as_x_api_key_or_bearer_and_a_wrong_one_is_401_in_both_shapes(se
         wrong.messages.create(**BODY)
 
 
+def test_max_tokens_beyond_the_context_is_cut_to_it(server, client):
+    """Claude Code asks for 32,000 tokens whatever the model: the answer ends where the context does."""
+    context = server.openai().models.list().data[0].max_model_len
+    message = client.messages.create(**{**SDK_GREEDY, "max_tokens": 32_000})
+    used = prompt_tokens(message.usage) + message.usage.output_tokens
+    assert context < 32_000 and used <= context
+    assert message.stop_reason == ("max_tokens" if used == context else "end_turn"), (used, context)
+
+
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 
 
