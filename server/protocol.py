@@ -131,13 +131,10 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"} with type json_schema
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """The sampling fields chat and completions share (OpenAI's plus vLLM's common extensions)."""
+class SamplingControls(OpenAIBaseModel):
+    """Sampling fields every generating request takes, whatever its API (the Responses API has none of
+    these; we take them there too, as vLLM does)."""
 
-    model: str | None = None  # None: the served model
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
@@ -145,8 +142,17 @@ class SamplingRequest(OpenAIBaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     ignore_eos: bool | None = None
+
+
+class SamplingRequest(SamplingControls):
+    """The sampling fields chat and completions share (OpenAI's plus vLLM's common extensions)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    logit_bias: dict[str, float] | None = None
     stream: bool | None = False  # some clients send null for the defaults
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -116,9 +116,7 @@ def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation, tools
     fields: dict[str, Any] = {
         "model": body.model, "messages": messages + chat_messages(conversation.items, len(conversation.earlier)),
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
-        "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
-        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos, "user": body.user,
+        **{name: getattr(body, name) for name in p.SamplingControls.model_fields}, "user": body.user,
         "tools": tools.functions or None, "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,

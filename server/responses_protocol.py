@@ -87,7 +87,7 @@ class ReasoningConfig(p.OpenAIBaseModel):
     summary: str | None = None
 
 
-class ResponsesRequest(p.OpenAIBaseModel):
+class ResponsesRequest(p.SamplingControls):
     model: str | None = None  # None: the served model
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
@@ -108,16 +108,7 @@ class ResponsesRequest(p.OpenAIBaseModel):
     include: list[str] | None = None
     top_logprobs: int | None = None
     background: bool | None = None
-    # the chat request's extensions, passed through
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as the chat request's
 
 
 # -- response -------------------------------------------------------------------------------

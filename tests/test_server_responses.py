@@ -362,12 +362,14 @@ def test_parallel_tool_calls_and_tool_choice_pass_through(recorded, extra, calls
     assert (engine.tools is None) == (calls == 0)
 
 
-def test_named_tool_choice_forces_that_call(recorded):
+@pytest.mark.parametrize("kind, name, other", [("function", "get_time", "get_weather"),
+                                              ("custom", "apply_patch", "mcp__fs__read")])
+def test_named_tool_choice_forces_that_call(recorded, kind, name, other):
     engine, client, _ = recorded
     engine.output = TWO_CALLS
-    client.responses.create(model="recorded", input=ASK, tools=FLAT_TOOLS,
-                            tool_choice={"type": "function", "name": "get_time"})
-    assert '"const": "get_time"' in engine.params.grammar and '"const": "get_weather"' not in engine.params.grammar
+    tools = FLAT_TOOLS if kind == "function" else CODEX_TOOLS
+    client.responses.create(model="recorded", input=ASK, tools=tools, tool_choice={"type": kind, "name": name})
+    assert f'"const": "{name}"' in engine.params.grammar and other not in engine.params.grammar
 
 
 def test_an_error_after_the_stream_began_is_an_error_event_in_sequence():
@@ -451,11 +453,3 @@ def test_custom_tool_history_reaches_the_template_as_tool_turns(recorded):
         (custom.call_id, "apply_patch", {"input": PATCH}), (function.call_id, "mcp__fs__read", {"path": "a.txt"})]
     assert [(t["tool_call_id"], t["name"], t["content"]) for t in tools] == [
         (custom.call_id, "apply_patch", "Done!"), (function.call_id, "mcp__fs__read", "hello")]
-
-
-def test_a_custom_tool_can_be_the_forced_choice(recorded):
-    engine, client, _ = recorded
-    engine.output = CODEX_CALLS
-    client.responses.create(model="recorded", input=ASK, tools=CODEX_TOOLS,
-                            tool_choice={"type": "custom", "name": "apply_patch"})
-    assert '"const": "apply_patch"' in engine.params.grammar and "mcp__fs__read" not in engine.params.grammar
