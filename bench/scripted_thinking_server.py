@@ -27,6 +27,7 @@ OUTPUT = ("The user asks for the capital of France. That is Paris.\n</think>\n\n
 
 class ScriptedThinkingEngine:
     model_name, max_model_len, vocab_size = "qwen3-thinking-scripted", 32768, 200_000
+    model_names = (model_name,)
     chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN3_THINKING_TEMPLATE,
                                           model_type="qwen3_moe")
     sampling_defaults: dict = {}

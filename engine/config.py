@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICY_NAMES = ("sparsity-aware", "lru", "lfu")
 EXPERT_DTYPES = ("auto", "bf16", "int8", "int4", "int4-mixed")
 MAX_NAME_CHARS = 256
+NAME_SEPARATOR = ","  # between the names of --served-model-name (a model id never holds one)
 
 
 CPU_EXPERTS = ("auto", "off")
@@ -50,9 +51,9 @@ class EngineConfig:
             raise ValueError(f"expert-dtype must be one of {', '.join(EXPERT_DTYPES)}, not {self.expert_dtype!r}")
         if self.expert_group_size is not None and self.expert_group_size < 0:
             raise ValueError(f"expert-group-size must be 0 (per channel) or positive, not {self.expert_group_size}")
-        if self.served_model_name is not None and not _is_printable_name(self.served_model_name):
-            raise ValueError(f"served-model-name must be 1 to {MAX_NAME_CHARS} printable characters, "
-                             f"not {self.served_model_name!r}")
+        if self.served_model_name is not None and not all(map(_is_printable_name, self.served_names)):
+            raise ValueError(f"served-model-name must be names of 1 to {MAX_NAME_CHARS} printable characters, "
+                             f"separated by commas, not {self.served_model_name!r}")
         if self.expert_cache_experts is not None and self.expert_cache_gb is not None:
             raise ValueError("give --expert-cache-experts or --expert-cache-gb, not both")
         positive = {
@@ -67,6 +68,14 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, not {value}")
+
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """`served_model_name`'s comma-separated names (clients may send any; responses carry the first)."""
+        if self.served_model_name is None:
+            return ()
+        return tuple(self.served_model_name.split(NAME_SEPARATOR))
 
 
 def _is_printable_name(name: str) -> bool:

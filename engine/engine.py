@@ -79,7 +79,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = device
-        self.model_name = config.served_model_name or config.model or DEMO_MODEL_NAME
+        self.model_names = config.served_names or (config.model or DEMO_MODEL_NAME,)  # any may be sent
+        self.model_name = self.model_names[0]  # the one responses carry
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or loaded.max_context or model_max_len(loaded.config)
         # with the running request, at most one context's KV cache: what the device sizing set aside

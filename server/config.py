@@ -117,7 +117,8 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag("--model", EngineConfig, str, "local Hugging Face folder or hub id", "PATH|ID",
          default_text="the built-in demo model, built locally on first use"),
-    Flag("--served-model-name", EngineConfig, str, "the model id clients send and /v1/models lists", "NAME",
+    Flag("--served-model-name", EngineConfig, str, "the model id clients send and /v1/models lists; several, "
+         "separated by commas, are all accepted", "NAME[,NAME...]",
          default_text="the --model value, or the demo model's name"),
     Flag("--host", ServerConfig, str, "address to bind; anything but loopback exposes the server to "
          "the network (set --api-key)", "ADDR"),

@@ -36,9 +36,14 @@ def ready_engine(raw: Request, model: str | None = None):
         raise EngineUnavailableError(f"the engine failed: {client.error}")
     if not client.ready:
         raise EngineUnavailableError("the model is still loading" if client.engine is None else "the engine stopped")
-    if model is not None and model != client.engine.model_name:
+    if model is not None and model not in client.engine.model_names:
         raise model_not_found(model)
     return client.engine
+
+
+def model_name(engine, requested: str | None) -> str:
+    """The name a response carries: the one the request sent (any of `--served-model-name`'s), else the first."""
+    return requested or engine.model_name
 
 
 def serving(raw: Request) -> Serving:
@@ -91,7 +96,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) ->
     _accept(body)
     engine = ready_engine(raw, body.model)
     plan = await plan_chat(body, raw, engine)
-    fmt = ChatFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=bool(body.logprobs),
+    fmt = ChatFormat(model_name(engine, body.model), raw.app.state.fingerprint, want_logprobs=bool(body.logprobs),
                      tool_plan=plan.tools, reasoning_plan=plan.reasoning)
     request = GenerationRequest(fmt.id, plan.prompt, plan.params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
@@ -105,25 +110,26 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
     params = body.to_sampling_params(engine.sampling_defaults)
     prompt = body.single_prompt()
     prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
-    fmt = CompletionFormat(engine.model_name, raw.app.state.fingerprint, want_logprobs=body.logprobs is not None)
+    fmt = CompletionFormat(model_name(engine, body.model), raw.app.state.fingerprint,
+                           want_logprobs=body.logprobs is not None)
     request = GenerationRequest(fmt.id, prompt_ids, params)
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
 
 
-def _card(raw: Request, engine) -> p.ModelCard:
-    return p.ModelCard(id=engine.model_name, created=raw.app.state.started, max_model_len=engine.max_model_len)
+def _card(raw: Request, engine, name: str) -> p.ModelCard:
+    return p.ModelCard(id=name, created=raw.app.state.started, max_model_len=engine.max_model_len)
 
 
 @router.get("/v1/models")
 async def list_models(raw: Request) -> p.ModelList:
     engine = ready_engine(raw)
-    return p.ModelList(data=[_card(raw, engine)])
+    return p.ModelList(data=[_card(raw, engine, name) for name in engine.model_names])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, raw: Request) -> p.ModelCard:
     engine = ready_engine(raw, model_id)
-    return _card(raw, engine)
+    return _card(raw, engine, model_id)
 
 
 @router.post("/tokenize")
@@ -182,8 +188,8 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     chat = responses.to_chat_request(body, conversation, tools)
     with responses.chat_errors():
         plan = await plan_chat(chat, raw, engine)
-        fmt = ResponsesFormat(responses.response_shell(body, engine.model_name), plan.tools, plan.reasoning, tools,
-                              on_done=responses.keeper(body, store, conversation))
+        shell = responses.response_shell(body, model_name(engine, body.model))
+        fmt = ResponsesFormat(shell, plan.tools, plan.reasoning, tools, on_done=responses.keeper(body, store, conversation))
         request = GenerationRequest(fmt.id, plan.prompt, plan.params)
         response = await serving(raw).run(raw, fmt, request, bool(body.stream))
     return with_tool_warning(response, plan, fmt.id, tools.warning)
@@ -210,7 +216,8 @@ async def create_message(body: anthropic.MessagesRequest, raw: Request) -> Respo
     _accept(body)
     engine = ready_engine(raw, body.model)
     plan = await plan_chat(anthropic_messages.to_chat_request(body), raw, engine)
-    fmt = MessagesFormat(engine.model_name, len(plan.prompt), tool_plan=plan.tools, reasoning_plan=plan.reasoning)
+    fmt = MessagesFormat(model_name(engine, body.model), len(plan.prompt), tool_plan=plan.tools,
+                         reasoning_plan=plan.reasoning)
     params = anthropic_messages.within_context(plan.params, len(plan.prompt), engine.max_model_len)
     request = GenerationRequest(fmt.id, plan.prompt, params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream))

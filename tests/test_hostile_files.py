@@ -257,11 +257,16 @@ def test_the_default_eamc_path_stays_in_the_state_folder(identity):
     assert path.name.endswith(".eamc") and "/" not in path.name
 
 
-@pytest.mark.parametrize("name", ["", " padded", "line\nbreak", "nul\x00", "\ud800", "x" * 257])
+@pytest.mark.parametrize("name", ["", " padded", "line\nbreak", "nul\x00", "\ud800", "x" * 257, "a,,b", "a,", "a, b"])
 def test_a_served_model_name_must_be_printable(name):
     with pytest.raises(ValueError, match="served-model-name"):
         EngineConfig(served_model_name=name)
 
 
 def test_a_served_model_name_with_a_slash_is_fine():
-    assert EngineConfig(served_model_name="org/model-v1.5").served_model_name == "org/model-v1.5"
+    assert EngineConfig(served_model_name="org/model-v1.5").served_names == ("org/model-v1.5",)
+
+
+def test_served_model_names_are_separated_by_commas():
+    assert EngineConfig(served_model_name="qwen3,claude-sonnet-4-5").served_names == ("qwen3", "claude-sonnet-4-5")
+    assert EngineConfig().served_names == ()

@@ -25,6 +25,7 @@ from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_h
 from tests.test_server_tools import ASK, HISTORY, TOOLS, TWO_CALLS, RecordedEngine
 
 MODEL = "tiny-qwen"
+ALIAS = "claude-sonnet-4-5"  # a second --served-model-name, as Claude Code sends by default
 KEY = "sk-ant-test"
 ERROR_KEYS = {"message", "type", "param", "code"}
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
@@ -102,7 +103,7 @@ def server(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
     tokenizer.save_pretrained(folder)
-    srv = RemoteServer(["--model", str(folder), "--served-model-name", MODEL, "--device", "cpu"],
+    srv = RemoteServer(["--model", str(folder), "--served-model-name", f"{MODEL},{ALIAS}", "--device", "cpu"],
                        env={"MOE_SERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1"}, api_key=KEY)
     with srv:
         yield srv
@@ -249,6 +250,13 @@ def test_bad_requests_are_400_in_the_anthropic_shape(server, change, param, need
     response = httpx.post(f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY})
     error = assert_error_shape(response, 400, "invalid_request_error")
     assert error["param"] == param and needle in error["message"], error
+
+
+def test_a_second_served_name_is_answered_under_that_name(server, client):
+    message = client.messages.create(**{**SDK_GREEDY, "model": ALIAS})
+    assert message.model == ALIAS and message.content == client.messages.create(**SDK_GREEDY).content
+    assert [card.id for card in server.openai().models.list()] == [MODEL, ALIAS]
+    assert server.openai().models.retrieve(ALIAS).id == ALIAS
 
 
 def test_an_unknown_model_is_404_not_found_error(server, client):

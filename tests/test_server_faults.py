@@ -24,6 +24,8 @@ class ScriptedEngine:
     """Answers every prompt with "a", "b", then fails (or finishes, with `fail=False`)."""
 
     model_name, max_model_len, vocab_size = "scripted", 64, 100
+
+    model_names = (model_name,)
     chat_template_info = ChatTemplateInfo(supports_tools=False, source="", model_type="scripted")
     sampling_defaults: dict = {}
 

@@ -54,6 +54,8 @@ class RecordedEngine:
     """Answers every chat with `output`, one Qwen token's text at a time; records what it was given."""
 
     model_name, max_model_len, vocab_size = "recorded", 4096, 200_000
+
+    model_names = (model_name,)
     chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN_TOOLS_TEMPLATE, model_type="qwen3_moe")
     sampling_defaults: dict = {}
 
