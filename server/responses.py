@@ -2,8 +2,8 @@
 `ChatCompletionRequest` (input items -> chat messages, tools -> chat functions (`responses_tools`), `text.format` ->
 `response_format`), and errors the chat pipeline raises name the Responses request's fields.
 
-Stored responses (`store`, the default) are kept in memory, the most recent `STORED_RESPONSES`:
-each with its conversation as input items, so that `previous_response_id` continues it.
+Stored responses (`store`, the default) are kept in memory, the most recent `STORED_RESPONSES` within
+`STORED_BYTES`, each with its conversation as input items, so that `previous_response_id` continues it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from server.errors import APIError
 from server.responses_tools import ResponseTools, chat_tool_name, custom_arguments
 
 STORED_RESPONSES = 128
+STORED_BYTES = 64 * 2**20
 TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 # chat request fields -> the Responses fields they came from (a prefix match: `messages[2].content`)
 CHAT_PARAMS = {
@@ -42,28 +43,40 @@ class StoredResponse:
     response: rp.ResponseObject
     conversation: list[rp.InputItem]  # every turn up to and including this response's output
 
+    def size(self) -> int:
+        """Its bytes as JSON: what the store's budget counts (a chain of follow-ups repeats its history)."""
+        return len(self.response.model_dump_json()) + sum(len(item.model_dump_json()) for item in self.conversation)
+
 
 class ResponseStore:
-    """Finished responses by id, least recently used dropped first (in memory: lost on restart)."""
+    """Finished responses by id, least recently used dropped first (in memory: lost on restart): at most
+    `capacity` of them and `max_bytes` of JSON in all (a request body may hold 4 MiB)."""
 
-    def __init__(self, capacity: int = STORED_RESPONSES) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+    def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self.bytes = 0
 
     def put(self, entry: StoredResponse) -> None:
-        self._entries[entry.response.id] = entry
-        self._entries.move_to_end(entry.response.id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self.delete(entry.response.id)
+        size = entry.size()
+        self._entries[entry.response.id] = (entry, size)
+        self.bytes += size
+        while len(self._entries) > self.capacity or (self.bytes > self.max_bytes and len(self._entries) > 1):
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        if response_id not in self._entries:
+            return None
+        self._entries.move_to_end(response_id)
+        return self._entries[response_id][0]
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        removed = self._entries.pop(response_id, None)
+        if removed is not None:
+            self.bytes -= removed[1]
+        return removed is not None
 
 
 def response_not_found(response_id: str, param: str | None = None) -> APIError:

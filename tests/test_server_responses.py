@@ -20,6 +20,7 @@ from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolC
 from engine.api import ChatTemplateInfo
 from server import responses_protocol as rp
 from server.errors import APIError
+from server.responses import ResponseStore, StoredResponse
 from server.responses_format import ResponsesFormat
 from server.testing import RemoteServer, sse_data
 from server.tools import WARNING_HEADER
@@ -166,6 +167,23 @@ def test_previous_response_id_continues_the_conversation(client, http):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="Hi", previous_response_id=first.id)
     assert e.value.body["param"] == "previous_response_id"
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_count_and_bytes():
+    def stored(text: str) -> StoredResponse:
+        return StoredResponse(rp.ResponseObject(id=rp.item_id("resp"), model="m"), [rp.InputItem(role="user", content=text)])
+
+    base = stored("").size()
+    small = [stored("hi") for _ in range(3)]
+    store = ResponseStore(capacity=2, max_bytes=3 * base + 5_000)
+    for entry in small:
+        store.put(entry)
+    assert store.get(small[0].response.id) is None and store.get(small[1].response.id) is small[1]
+    store.put(big := stored("x" * 5_000))  # a third: the least recently used goes
+    assert store.get(small[2].response.id) is None and store.get(small[1].response.id) is small[1]
+    store.put(huge := stored("x" * (3 * base + 6_000)))  # alone over the bytes: kept, so that it can be continued
+    assert [store.get(e.response.id) for e in (small[1], big, huge)] == [None, None, huge]
+    assert store.bytes == huge.size() and store.delete(huge.response.id) and store.bytes == 0
 
 
 def test_store_false_keeps_nothing(client, http):
