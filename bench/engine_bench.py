@@ -3,6 +3,7 @@
     python -m bench.engine_bench tpot [--device cpu] [--tokens 64] [--rounds 3]
     python -m bench.engine_bench rss  [--host-cache-gb 0.25]
     python -m bench.engine_bench server [--tokens 64] [--rounds 3]
+    python -m bench.engine_bench apis [--tokens 64] [--rounds 3]
 
 `tpot`: time per output token of our engine vs transformers `generate` on the same model
 with all experts resident, then our engine with a cache of 25% of the experts (TPOT,
@@ -10,7 +11,8 @@ hits/misses and bytes moved per token). `rss`: peak RSS of a process that loads 
 checkpoint bigger than `--host-cache-gb` and generates, vs one that keeps all experts in RAM.
 `server`: the same model with all experts cached through a real `moe-serve` process (streamed
 `/v1/completions`, TTFT and TPOT from the SSE chunks' arrival), against the engine called
-directly and transformers `generate`, interleaved round by round (CPU).
+directly and transformers `generate`, interleaved round by round (CPU). `apis`: the same server through
+chat completions, the Responses API and the Anthropic Messages API, interleaved (the same messages).
 """
 
 from __future__ import annotations
@@ -192,6 +194,62 @@ def run_server(args: argparse.Namespace) -> dict:
     return result
 
 
+API_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+
+
+def api_body(path: str, model: str, max_tokens: int) -> dict:
+    """One greedy question in the shape of each chat-like API (the same messages: the same prompt)."""
+    messages = [{"role": "user", "content": PROMPT}]
+    if path == "/v1/responses":
+        return {"model": model, "input": messages, "max_output_tokens": max_tokens, "temperature": 0, "store": False}
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def generated_tokens(path: str, body: dict) -> int:
+    usage = body["usage"]
+    return usage["completion_tokens"] if path == "/v1/chat/completions" else usage["output_tokens"]
+
+
+def api_tpot(http, path: str, model: str, tokens: int) -> tuple[float, float]:
+    """TTFT and TPOT (s) through one API, as `server_tpot`; TPOT over the tokens the answer really has
+    (the Anthropic API has no ignore_eos)."""
+
+    def complete(max_tokens: int) -> tuple[float, int]:
+        start = time.perf_counter()
+        response = http.post(path, json=api_body(path, model, max_tokens), timeout=600)
+        response.raise_for_status()
+        return time.perf_counter() - start, generated_tokens(path, response.json())
+
+    first, _ = complete(1)
+    whole, count = complete(tokens)
+    return first, (whole - first) / max(1, count - 1)
+
+
+def run_apis(args: argparse.Namespace) -> dict:
+    """The chat-like APIs on one server, interleaved: what translating a request costs over chat's."""
+    from server.testing import RemoteServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(Path(tmp), 256, 512, 8, 8, torch.float32)
+        flags = ["--model", str(folder), "--device", "cpu", "--prefix-cache", "0"]
+        samples: dict[str, list[tuple[float, float]]] = {path: [] for path in API_PATHS}
+        with RemoteServer(flags, ready_timeout=600) as server, server.http() as http:
+            model = server.openai().models.list().data[0].id
+            for path in API_PATHS:
+                api_tpot(http, path, model, 4)  # warm-up
+            for _ in range(args.rounds):
+                for path in API_PATHS:
+                    samples[path].append(api_tpot(http, path, model, args.tokens))
+    result = {path: median_ms(values) for path, values in samples.items()}
+    chat = result["/v1/chat/completions"]
+    for path in API_PATHS[1:]:
+        result[path]["tpot_over_chat"] = result[path]["tpot_ms"] / chat["tpot_ms"]
+        result[path]["ttft_minus_chat_ms"] = result[path]["ttft_ms"] - chat["ttft_ms"]
+    result["setup"] = {"model": "Mixtral-shaped, H=256, I=512, 8 layers x 8 experts top-2, fp32, all cached",
+                       "new_tokens": args.tokens, "rounds": args.rounds}
+    return result
+
+
 def median_ms(values: list[tuple[float, float]]) -> dict:
     return {
         "ttft_ms": 1000 * statistics.median(v[0] for v in values),
@@ -252,14 +310,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["tpot", "rss", "server"])
+    parser.add_argument("what", choices=["tpot", "rss", "server", "apis"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--host-cache-gb", type=float, default=0.25)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    run = {"tpot": run_tpot, "rss": run_rss, "server": run_server}[args.what]
+    run = {"tpot": run_tpot, "rss": run_rss, "server": run_server, "apis": run_apis}[args.what]
     print(json.dumps(run(args), indent=2))
 
 
