@@ -153,6 +153,7 @@ class GenerateFormat(_OllamaFormat):
         return o.GenerateReply(model=self.model, created_at=created_at(), response=answer.content, **fields)
 
 
-def loaded_reply(fmt: _OllamaFormat) -> BaseModel:
-    """Ollama's answer to a request with nothing to generate (a client loading the model): done at once."""
-    return fmt.reply(Answer(), done=True, done_reason="load")
+def loaded_reply(fmt: _OllamaFormat, unload: bool) -> BaseModel:
+    """Ollama's answer to a request with nothing to generate (a client loading the model, or with
+    `keep_alive` 0 unloading it): done at once."""
+    return fmt.reply(Answer(), done=True, done_reason="unload" if unload else "load")

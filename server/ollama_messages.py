@@ -59,7 +59,7 @@ def generate_request(body: GenerateRequest) -> p.ChatCompletionRequest:
 
 def _translated(body: GeneratingRequest, messages: list[p.ChatMessage],
                 tools: list[p.ToolDefinition] | None) -> p.ChatCompletionRequest:
-    fields: dict = {"model": body.model, "messages": messages, "tools": tools, "stream": bool(body.stream),
+    fields: dict = {"model": body.model, "messages": messages, "tools": tools, "stream": body.streams,
                     **_sampling(body.options or Options()), **_thinking(body.think)}
     response_format = _response_format(body.format)
     if response_format is not None:

@@ -17,6 +17,7 @@ from server import ollama_protocol as o
 from server.errors import APIError
 from server.reasoning import detect_reasoning
 
+OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API (docs/api.md) this server follows
 LATEST = ":latest"  # Ollama's tag for a name sent without one
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
 
@@ -68,11 +69,11 @@ def model_facts(engine, reasoning_parser: str, started: float) -> ModelFacts:
                       template=info.source, capabilities=capabilities)
 
 
-def show(facts: ModelFacts) -> o.ShowResponse:
+def show(facts: ModelFacts, name: str) -> o.ShowResponse:
     arch = facts.family or "unknown"
+    info = {"general.architecture": arch, "general.basename": name, f"{arch}.context_length": facts.context_length}
     return o.ShowResponse(template=facts.template, details=facts.details(), modified_at=facts.modified_at,
-                          model_info={"general.architecture": arch, f"{arch}.context_length": facts.context_length},
-                          capabilities=facts.capabilities)
+                          model_info=info, capabilities=facts.capabilities)
 
 
 def device_bytes(engine) -> int:

@@ -65,9 +65,18 @@ class GeneratingRequest(OpenAIBaseModel):
     model: str = Field(min_length=1)
     format: Format | None = None
     options: Options | None = None
-    stream: bool | None = True  # Ollama streams unless told not to
+    stream: bool | None = True  # Ollama streams unless told not to (null too)
     think: Think | None = None
     keep_alive: str | int | float | None = None  # the model stays loaded anyway
+
+    @property
+    def streams(self) -> bool:
+        return self.stream is not False
+
+    @property
+    def unloads(self) -> bool:
+        """`keep_alive` 0: Ollama's clients unload a model so (this server keeps it)."""
+        return self.keep_alive in (0, "0", "0s")
 
 
 class ChatRequest(GeneratingRequest):
@@ -130,7 +139,8 @@ class ShowResponse(ResponseModel):
 
 
 class VersionResponse(ResponseModel):
-    version: str
+    version: str  # the Ollama API this server speaks: clients check it (VS Code Copilot wants >= 0.6.4)
+    moe_serve_version: str
 
 
 class FunctionCallOut(ResponseModel):

@@ -248,10 +248,10 @@ async def ollama_chat(body: ollama.ChatRequest, raw: Request) -> Response:
     served_name(engine, body.model)
     chat = ollama_messages.chat_request(body)
     if not body.messages:  # nothing to answer: a client loading the model
-        return _loaded(OllamaChatFormat(body.model, started), chat, engine)
+        return _loaded(OllamaChatFormat(body.model, started), chat, engine, body.unloads)
     plan = await plan_chat(chat, raw, engine)
     fmt = OllamaChatFormat(body.model, started, plan.tools, plan.reasoning)
-    return await _run_ollama(raw, fmt, plan, bool(body.stream))
+    return await _run_ollama(raw, fmt, plan, body.streams)
 
 
 @router.post("/api/generate")
@@ -262,20 +262,20 @@ async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Respons
     served_name(engine, body.model)
     chat = ollama_messages.generate_request(body)
     if not body.prompt:  # nothing to answer: a client loading the model
-        return _loaded(OllamaGenerateFormat(body.model, started), chat, engine)
+        return _loaded(OllamaGenerateFormat(body.model, started), chat, engine, body.unloads)
     if body.raw:  # the prompt as it is: no template, so no tool calls or thinking to read
         params = with_response_format(chat.to_sampling_params(engine.sampling_defaults), chat.response_format)
         plan = ChatPlan(await run_in_threadpool(engine.encode, body.prompt), params, ToolPlan(), ReasoningPlan())
     else:
         plan = await plan_chat(chat, raw, engine)
     fmt = OllamaGenerateFormat(body.model, started, plan.tools, plan.reasoning)
-    return await _run_ollama(raw, fmt, plan, bool(body.stream))
+    return await _run_ollama(raw, fmt, plan, body.streams)
 
 
-def _loaded(fmt, chat: p.ChatCompletionRequest, engine) -> JSONResponse:
+def _loaded(fmt, chat: p.ChatCompletionRequest, engine, unload: bool) -> JSONResponse:
     """Ollama's answer to a request with nothing to generate, done at once; its options are still checked."""
     chat.to_sampling_params(engine.sampling_defaults)
-    return JSONResponse(loaded_reply(fmt).model_dump(exclude_unset=True))
+    return JSONResponse(loaded_reply(fmt, unload).model_dump(exclude_unset=True))
 
 
 async def _run_ollama(raw: Request, fmt, plan: ChatPlan, stream: bool) -> Response:
@@ -302,8 +302,7 @@ async def ollama_show(body: ollama.ShowRequest, raw: Request) -> ollama.ShowResp
     requested = body.model or body.name
     if not requested:
         raise InvalidRequestError("send the model's name in `model`", param="model")
-    served_name(engine, requested)
-    return ollama_models.show(await _model_facts(raw, engine))
+    return ollama_models.show(await _model_facts(raw, engine), served_name(engine, requested))
 
 
 @router.get("/api/ps")
@@ -317,7 +316,7 @@ async def ollama_ps(raw: Request) -> ollama.ModelList:
 
 @router.get("/api/version")
 async def ollama_version() -> ollama.VersionResponse:
-    return ollama.VersionResponse(version=VERSION)
+    return ollama.VersionResponse(version=ollama_models.OLLAMA_API_VERSION, moe_serve_version=VERSION)
 
 
 def _refuse_model_management(path: str) -> None:

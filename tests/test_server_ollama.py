@@ -23,7 +23,7 @@ from server.testing import RemoteServer
 from tests.fixtures.models import build_checkpoint
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_anthropic import THOUGHT, ThinkingRecordedEngine
-from tests.test_server_faults import InProcessServer, wait_for_health
+from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
 from tests.test_server_tools import ASK, HISTORY, TOOLS, TWO_CALLS
 
 MODEL = "tiny-qwen"
@@ -104,6 +104,8 @@ def test_chat_streams_ndjson_by_default_and_the_lines_join_to_the_whole(server, 
     streamed = "".join(part.message.content for part in client.chat(model=MODEL, messages=HELLO, options=GREEDY,
                                                                      stream=True))
     assert streamed == whole.message.content
+    nulled = ndjson(server.url, "/api/chat", {"model": MODEL, "messages": HELLO, "options": GREEDY, "stream": None})
+    assert len(nulled) == len(lines)  # null is the default: a stream
 
 
 def test_latest_tag_and_sampling_options_are_read(server, client):
@@ -139,6 +141,10 @@ def test_an_empty_prompt_or_no_messages_is_a_load_answered_at_once(server):
         assert response.status_code == 200 and response.headers["content-type"] == "application/json"
         answer = response.json()
         assert answer["done"] is True and answer["done_reason"] == "load" and answer["model"] == MODEL
+    unload = httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "keep_alive": 0}, timeout=10).json()
+    assert unload["done_reason"] == "unload"  # said, not done: the model stays loaded
+    assert_ollama_error(httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "options": {"top_p": 9}}),
+                        400, "options.top_p")  # a load request's options are still checked
 
 
 def test_format_schema_gives_valid_json(client):
@@ -166,7 +172,7 @@ def test_tags_show_ps_version_through_the_library_and_raw(server, client):
     shown = client.show(f"{MODEL}:latest")
     assert shown.template == QWEN_TOOLS_TEMPLATE and shown.details.family == "qwen3_moe"
     assert set(shown.capabilities) == {"completion", "tools"}  # the template has no <think>
-    assert shown.modelinfo["general.architecture"] == "qwen3_moe"
+    assert shown.modelinfo["general.architecture"] == "qwen3_moe" and shown.modelinfo["general.basename"] == MODEL
     max_model_len = server.openai().models.retrieve(MODEL).model_extra["max_model_len"]
     assert shown.modelinfo["qwen3_moe.context_length"] == max_model_len
     legacy = httpx.post(f"{server.url}/api/show", json={"name": MODEL}).json()
@@ -174,7 +180,9 @@ def test_tags_show_ps_version_through_the_library_and_raw(server, client):
 
     (running,) = client.ps().models
     assert running.model == MODEL and running.size_vram == 0 and running.expires_at.year > 2100  # on CPU
-    assert httpx.get(f"{server.url}/api/version").json()["version"]
+    version = httpx.get(f"{server.url}/api/version").json()
+    assert tuple(map(int, version["version"].split("."))) >= (0, 6, 4)  # VS Code Copilot's minimum
+    assert version["moe_serve_version"]
     root = httpx.get(server.url)
     assert root.status_code == 200 and root.text == "moe-serve is running"
     assert httpx.head(server.url).status_code == 200
@@ -295,3 +303,13 @@ def test_thinking_comes_back_apart_and_think_sets_the_template(recorded):
     assert (generated.thinking, generated.response) == ("The user wants the weather.", "It is sunny.")
     shown = httpx.post(f"{url}/api/show", json={"model": "recorded"}).json()
     assert shown["capabilities"] == ["completion", "tools", "thinking"]
+
+
+def test_an_error_after_the_stream_started_is_an_error_line():
+    with InProcessServer(lambda: ScriptedEngine(fail=True)) as srv:
+        wait_for_health(srv.url, 200)
+        lines = ndjson(srv.url, "/api/chat", {"model": "scripted", "messages": HELLO})
+        assert [line.get("message", {}).get("content") for line in lines[:2]] == ["a", "b"]
+        assert set(lines[2]) == {"error"} and "device fell off the bus" in lines[2]["error"] and len(lines) == 3
+        with pytest.raises(ollama.ResponseError, match="device fell off the bus"):
+            list(ollama.Client(host=srv.url).chat(model="scripted", messages=HELLO, stream=True))
