@@ -4,10 +4,11 @@ of NDJSON lines (`"done": false` with each piece, then a `"done": true` line wit
 The output is read as chat's is (`output_reader`): thinking, text and tool calls come back as
 `thinking`, `content` (`response`) and `tool_calls` (arguments an object, not a JSON string).
 
-Durations are nanoseconds, measured in the server: `total_duration` from the request's arrival to its
-end; `prompt_eval_duration` from the engine's start on it to its first token (so the prompt and the
-first decode step); `eval_duration` from the first token to the last; `load_duration` 0 (the model is
-loaded when the server starts).
+Durations are nanoseconds, measured in the server (the engine reports no timings): `total_duration`
+from the request's arrival to its end; `prompt_eval_duration` from its hand-over to the engine to the
+first token (so the prompt and the first decode step); `eval_duration` from the first token to the
+last; `load_duration` 0 (the model is loaded when the server starts). `prompt_eval_count` is the whole
+prompt, the part read from the prefix cache too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
-from engine.api import GenerationEvent
+from engine.api import GenerationEvent, Usage
 from server import ollama_protocol as o
 from server.reasoning import Reasoning, ReasoningPlan
 from server.serving import JSONLines, Outcome, output_reader
@@ -115,15 +116,14 @@ class _OllamaFormat(JSONLines):
         answer = Answer.of(reader.feed(outcome.text) + reader.finish() if reader else [outcome.text])
         return self.reply(answer, **self._ending(outcome))
 
-    def _ending(self, outcome: Outcome) -> dict:
-        """The last object's fields: done, why, and the counts and durations."""
+    def _ending(self, outcome: TimedOutcome) -> dict:
+        """The last object's fields: done, why, and the counts and durations (`outcome`: one of `outcome()`'s)."""
         now = time.monotonic_ns()
-        usage = outcome.usage
-        timed = outcome if isinstance(outcome, TimedOutcome) else TimedOutcome()
-        first, last = timed.first_ns or now, timed.last_ns or now
+        first, last = outcome.first_ns or now, outcome.last_ns or now
+        usage = outcome.usage or Usage(0, 0)
         return {"done": True, "done_reason": outcome.finish_reason, "total_duration": now - self.started_ns,
-                "load_duration": 0, "prompt_eval_count": usage.prompt_tokens if usage else 0,
-                "prompt_eval_duration": first - timed.started_ns, "eval_count": usage.completion_tokens if usage else 0,
+                "load_duration": 0, "prompt_eval_count": usage.prompt_tokens,
+                "prompt_eval_duration": first - outcome.started_ns, "eval_count": usage.completion_tokens,
                 "eval_duration": last - first}
 
     def reply(self, answer: Answer, **fields) -> BaseModel:

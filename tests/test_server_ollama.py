@@ -11,6 +11,7 @@ driven by the `ollama` library and by raw httpx reading the NDJSON stream line b
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -188,7 +189,20 @@ def test_tags_show_ps_version_through_the_library_and_raw(server, client):
     assert httpx.head(server.url).status_code == 200
 
 
+def generated_tokens(url: str) -> float:
+    """The server's count of generated tokens, once it stops moving (the engine is idle)."""
+    last = None
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        now = float(re.search(r"^moe_generated_tokens_total (\S+)$", text, re.MULTILINE).group(1))
+        if now == last and "moe_queue_depth 0.0" in text:
+            return now
+        last = now
+        time.sleep(0.3)
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_engine(server, client):
+    before = generated_tokens(server.url)
     body = {"model": MODEL, "messages": HELLO, "options": {"temperature": 0, "num_predict": 400}}
     with httpx.stream("POST", f"{server.url}/api/chat", json=body, timeout=60) as response:
         lines = response.iter_lines()
@@ -197,6 +211,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(server, client):
     start = time.monotonic()  # the long request was aborted: this one runs at once
     answer = client.chat(model=MODEL, messages=HELLO, options={"temperature": 0, "num_predict": 2}, stream=False)
     assert answer.done_reason == "length" and time.monotonic() - start < 5
+    assert generated_tokens(server.url) - before < 100  # stopped long before its 400 tokens
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'moe_requests_total{status="aborted"} 1.0' in metrics
 
