@@ -288,7 +288,7 @@ async def _model_facts(raw: Request, engine) -> ModelFacts:
     return await run_in_threadpool(model_facts, engine, raw.app.state.reasoning_parser, raw.app.state.started)
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", response_model_exclude_unset=True)
 async def ollama_tags(raw: Request) -> ollama.ModelList:
     engine = ready_engine(raw)
     facts = await _model_facts(raw, engine)
@@ -305,7 +305,7 @@ async def ollama_show(body: ollama.ShowRequest, raw: Request) -> ollama.ShowResp
     return ollama_models.show(await _model_facts(raw, engine), served_name(engine, requested))
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", response_model_exclude_unset=True)
 async def ollama_ps(raw: Request) -> ollama.ModelList:
     engine = ready_engine(raw)
     facts = await _model_facts(raw, engine)

@@ -167,6 +167,7 @@ def test_tags_show_ps_version_through_the_library_and_raw(server, client):
     assert listed.model == MODEL and listed.details.family == "qwen3_moe" and listed.size > 0 and listed.digest
     assert listed.details.format == "safetensors" and listed.details.quantization_level
     raw = httpx.get(f"{server.url}/api/tags").json()
+    assert set(raw["models"][0]) == {"name", "model", "modified_at", "size", "digest", "details"}
     assert raw["models"][0]["name"] == MODEL and set(raw["models"][0]["details"]) >= {
         "format", "family", "families", "parameter_size", "quantization_level"}
 
