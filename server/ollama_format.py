@@ -79,7 +79,7 @@ def tool_calls(calls: list[ToolCall]) -> list[o.ToolCallOut]:
 
 
 @dataclass
-class _OllamaFormat(JSONLines):
+class OllamaFormat(JSONLines):
     """The `Format` (server/serving.py) both generating endpoints share: one choice, NDJSON lines."""
 
     model: str
@@ -90,7 +90,7 @@ class _OllamaFormat(JSONLines):
     def __post_init__(self) -> None:
         self._reader = output_reader(self.tool_plan, self.reasoning_plan)
 
-    def choice(self, index: int) -> _OllamaFormat:
+    def choice(self, index: int) -> OllamaFormat:
         return replace(self)  # its own reader
 
     def outcome(self) -> Outcome:
@@ -131,7 +131,7 @@ class _OllamaFormat(JSONLines):
 
 
 @dataclass
-class ChatFormat(_OllamaFormat):
+class ChatFormat(OllamaFormat):
     prompt_param: ClassVar[str] = "messages"
 
     def reply(self, answer: Answer, **fields) -> o.ChatReply:
@@ -144,7 +144,7 @@ class ChatFormat(_OllamaFormat):
 
 
 @dataclass
-class GenerateFormat(_OllamaFormat):
+class GenerateFormat(OllamaFormat):
     prompt_param: ClassVar[str] = "prompt"
 
     def reply(self, answer: Answer, **fields) -> o.GenerateReply:
@@ -153,7 +153,7 @@ class GenerateFormat(_OllamaFormat):
         return o.GenerateReply(model=self.model, created_at=created_at(), response=answer.content, **fields)
 
 
-def loaded_reply(fmt: _OllamaFormat, unload: bool) -> BaseModel:
+def loaded_reply(fmt: OllamaFormat, unload: bool) -> BaseModel:
     """Ollama's answer to a request with nothing to generate (a client loading the model, or with
     `keep_alive` 0 unloading it): done at once."""
     return fmt.reply(Answer(), done=True, done_reason="unload" if unload else "load")

@@ -21,7 +21,7 @@ from server.errors import APIError, model_not_found
 from server.json_body import StrictJSONRoute
 from server.ollama_format import ChatFormat as OllamaChatFormat
 from server.ollama_format import GenerateFormat as OllamaGenerateFormat
-from server.ollama_format import loaded_reply
+from server.ollama_format import OllamaFormat, loaded_reply
 from server.ollama_models import ModelFacts, model_facts, served_name
 from server.reasoning import ReasoningPlan, plan_reasoning
 from server.responses_format import ResponsesFormat
@@ -245,7 +245,7 @@ async def ollama_chat(body: ollama.ChatRequest, raw: Request) -> Response:
     started = time.monotonic_ns()
     _accept(body)
     engine = ready_engine(raw)
-    served_name(engine, body.model)
+    served_name(engine, body.model)  # else a 404 (the response carries the name sent, `:latest` too)
     chat = ollama_messages.chat_request(body)
     if not body.messages:  # nothing to answer: a client loading the model
         return _loaded(OllamaChatFormat(body.model, started), chat, engine, body.unloads)
@@ -259,7 +259,7 @@ async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Respons
     started = time.monotonic_ns()
     _accept(body)
     engine = ready_engine(raw)
-    served_name(engine, body.model)
+    served_name(engine, body.model)  # else a 404
     chat = ollama_messages.generate_request(body)
     if not body.prompt:  # nothing to answer: a client loading the model
         return _loaded(OllamaGenerateFormat(body.model, started), chat, engine, body.unloads)
@@ -272,13 +272,13 @@ async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Respons
     return await _run_ollama(raw, fmt, plan, body.streams)
 
 
-def _loaded(fmt, chat: p.ChatCompletionRequest, engine, unload: bool) -> JSONResponse:
+def _loaded(fmt: OllamaFormat, chat: p.ChatCompletionRequest, engine, unload: bool) -> JSONResponse:
     """Ollama's answer to a request with nothing to generate, done at once; its options are still checked."""
     chat.to_sampling_params(engine.sampling_defaults)
     return JSONResponse(loaded_reply(fmt, unload).model_dump(exclude_unset=True))
 
 
-async def _run_ollama(raw: Request, fmt, plan: ChatPlan, stream: bool) -> Response:
+async def _run_ollama(raw: Request, fmt: OllamaFormat, plan: ChatPlan, stream: bool) -> Response:
     request = GenerationRequest(p.random_id("ollama"), plan.prompt, plan.params)
     response = await serving(raw).run(raw, fmt, request, stream)
     return with_tool_warning(response, plan, request.request_id)
