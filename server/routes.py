@@ -251,7 +251,7 @@ async def ollama_chat(body: ollama.ChatRequest, raw: Request) -> Response:
         return _loaded(OllamaChatFormat(body.model, started), chat, engine, body.unloads)
     plan = await plan_chat(chat, raw, engine)
     fmt = OllamaChatFormat(body.model, started, plan.tools, plan.reasoning)
-    return await _run_ollama(raw, fmt, plan, body.streams)
+    return await _run_ollama(raw, engine, fmt, plan, body.streams)
 
 
 @router.post("/api/generate")
@@ -269,7 +269,7 @@ async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Respons
     else:
         plan = await plan_chat(chat, raw, engine)
     fmt = OllamaGenerateFormat(body.model, started, plan.tools, plan.reasoning)
-    return await _run_ollama(raw, fmt, plan, body.streams)
+    return await _run_ollama(raw, engine, fmt, plan, body.streams)
 
 
 def _loaded(fmt: OllamaFormat, chat: p.ChatCompletionRequest, engine, unload: bool) -> JSONResponse:
@@ -278,8 +278,10 @@ def _loaded(fmt: OllamaFormat, chat: p.ChatCompletionRequest, engine, unload: bo
     return JSONResponse(loaded_reply(fmt, unload).model_dump(exclude_unset=True))
 
 
-async def _run_ollama(raw: Request, fmt: OllamaFormat, plan: ChatPlan, stream: bool) -> Response:
-    request = GenerationRequest(p.random_id("ollama"), plan.prompt, plan.params)
+async def _run_ollama(raw: Request, engine, fmt: OllamaFormat, plan: ChatPlan, stream: bool) -> Response:
+    # as Ollama: a `num_predict` beyond the context's room ends where the context does (done_reason "length")
+    params = anthropic_messages.within_context(plan.params, len(plan.prompt), engine.max_model_len)
+    request = GenerationRequest(p.random_id("ollama"), plan.prompt, params)
     response = await serving(raw).run(raw, fmt, request, stream)
     return with_tool_warning(response, plan, request.request_id)
 

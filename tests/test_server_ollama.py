@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import httpx
@@ -61,13 +62,22 @@ def assert_done(last: dict, reason: str) -> None:
 
 # -- a real server ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     folder = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen-ollama"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
     tokenizer.save_pretrained(folder)
-    with RemoteServer(["--model", str(folder), "--served-model-name", MODEL, "--device", "cpu"],
-                      env={"OMP_NUM_THREADS": "1"}) as srv:
+    return folder
+
+
+def serve(checkpoint, *args: str) -> RemoteServer:
+    return RemoteServer(["--model", str(checkpoint), "--served-model-name", MODEL, "--device", "cpu", *args],
+                        env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with serve(checkpoint) as srv:
         yield srv
 
 
@@ -116,6 +126,13 @@ def test_latest_tag_and_sampling_options_are_read(server, client):
     unlimited = client.chat(model=MODEL, messages=HELLO, stream=False,
                             options={"temperature": 0, "num_predict": -1, "stop": [" "]})
     assert unlimited.done_reason in ("stop", "length")
+
+
+def test_num_predict_beyond_the_context_ends_where_the_context_does(server, client):
+    max_model_len = server.openai().models.retrieve(MODEL).model_extra["max_model_len"]
+    answer = client.generate(model=MODEL, prompt="story " * (max_model_len - 40), raw=True, stream=False,
+                             options={"temperature": 0, "num_predict": 100})
+    assert answer.done_reason == "length" and answer.eval_count == max_model_len - answer.prompt_eval_count < 100
 
 
 def test_generate_templated_equals_chat_and_raw_equals_completions(server, client):
@@ -215,6 +232,22 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(server, client):
     assert generated_tokens(server.url) - before < 100  # stopped long before its 400 tokens
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'moe_requests_total{status="aborted"} 1.0' in metrics
+
+
+def test_past_the_drain_a_stream_ends_with_an_error_line(checkpoint):
+    server = serve(checkpoint, "--drain-timeout", "0").start()
+    try:
+        body = {"model": MODEL, "messages": HELLO, "options": {"temperature": 0, "num_predict": 490}}
+        with httpx.stream("POST", f"{server.url}/api/chat", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            received = [json.loads(next(lines)), json.loads(next(lines))]  # it is running
+            server.process.send_signal(signal.SIGTERM)
+            received += [json.loads(line) for line in lines]
+        assert received[-1] == {"error": "the server is shutting down"}
+        assert not any(line.get("done") for line in received[:-1])
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("path, body, status, needle", [
