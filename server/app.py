@@ -24,7 +24,8 @@ from server.serving import Serving
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
+                    "/api/generate")
 OPEN_PATHS = ("/health",)  # answered without an API key
 
 SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"

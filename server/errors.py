@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; on Anthropic's paths
-(`/v1/messages`) in Anthropic's, around the same keys: `{"type": "error", "error": {...}}`.
+(`/v1/messages`) in Anthropic's, around the same keys: `{"type": "error", "error": {...}}`; on
+Ollama's (`/api/...`) in Ollama's: `{"error": "<message>"}`. `error_dialect(path)` picks one.
 
 Every failure the server reports goes through `APIError`: engine errors are mapped onto
 it, FastAPI's 422 validation errors become 400, unknown routes 404, crashes 500.
@@ -22,6 +23,7 @@ from engine.api import (
     InvalidRequestError,
     QueueFullError,
 )
+from server.ollama_protocol import ErrorResponse as OllamaErrorResponse
 from server.protocol import AnthropicErrorResponse, ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -29,13 +31,19 @@ log = logging.getLogger(__name__)
 QUEUE_RETRY_AFTER_S = 1
 LOADING_RETRY_AFTER_S = 5
 ANTHROPIC_PATH = "/v1/messages"  # and the paths under it
+OLLAMA_PREFIX = "/api/"
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
-def speaks_anthropic(path: str) -> bool:
-    """Whether errors on `path` take Anthropic's shape (its SDK reads only that)."""
-    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+def error_dialect(path: str) -> str:
+    """The API whose error shape errors on `path` take ("openai", "anthropic" or "ollama"): each
+    API's clients read only their own."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return "anthropic"
+    if path.startswith(OLLAMA_PREFIX):
+        return "ollama"
+    return "openai"
 
 
 class APIError(Exception):
@@ -61,9 +69,13 @@ class APIError(Exception):
                          code=self.code)
         return AnthropicErrorResponse(error=info)
 
+    def ollama_body(self) -> OllamaErrorResponse:
+        return OllamaErrorResponse(error=self.message)
+
     def response(self, path: str = "") -> JSONResponse:
         """`path`: the request's; it picks the API whose shape the error takes."""
-        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        body = {"anthropic": self.anthropic_body, "ollama": self.ollama_body, "openai": self.body}[
+            error_dialect(path)]()
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 

@@ -1,4 +1,5 @@
-"""Runs one OpenAI request through the engine: streamed as SSE or collected into one response.
+"""Runs one OpenAI request through the engine: streamed (as SSE, or as NDJSON for Ollama's API) or
+collected into one response.
 
 `Submission` hands one generation to the `EngineClient`; `Choices` are the n generations of a
 request (`n`), run one after another; `ChatFormat` and `CompletionFormat` turn engine events into
@@ -17,7 +18,7 @@ from typing import ClassVar, Protocol
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
@@ -45,6 +46,7 @@ SHUTDOWN_GRACE_S = 3  # after the drain: for aborted streams to end with an erro
 DRAIN_TIMEOUT_S = 20.0  # on shutdown, what running requests get to finish (--drain-timeout)
 DRAIN_POLL_S = 0.1
 FINISHED = ("stop", "length")
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
 SEED_MODULUS = 2**64  # torch reads a seed modulo 2**64 (a negative one too)
 
 
@@ -161,6 +163,7 @@ class DataEvents:
     """How chat and completion streams frame their chunks (OpenAI's): each a `data:` line, an error
     as one more, then `data: [DONE]`. Formats of other APIs frame theirs otherwise."""
 
+    framing: ClassVar[str] = "sse"
     done_marker: ClassVar[str | None] = "[DONE]"  # the last event's data; None: the stream just ends
 
     def event(self, chunk: BaseModel) -> str | ServerSentEvent:
@@ -180,10 +183,25 @@ class NamedEvents:
     """How the Responses and Anthropic streams frame theirs: each event named by its chunk's `type`
     (`event: response.output_text.delta`), and no [DONE]: the last event says it is the last."""
 
+    framing: ClassVar[str] = "sse"
     done_marker: ClassVar[str | None] = None
 
     def event(self, chunk: BaseModel) -> ServerSentEvent:
         return ServerSentEvent(data=event_data(chunk), event=chunk.type)
+
+
+class JSONLines:
+    """How Ollama's streams frame theirs: not SSE but NDJSON (`application/x-ndjson`), one object a
+    line, an error as `{"error": "..."}`, and no end marker: the last object says `"done": true`."""
+
+    framing: ClassVar[str] = "ndjson"
+    done_marker: ClassVar[str | None] = None
+
+    def event(self, chunk: BaseModel) -> str:
+        return event_data(chunk) + "\n"
+
+    def error_event(self, error: APIError) -> str:
+        return event_data(error.ollama_body()) + "\n"
 
 
 @dataclass
@@ -344,6 +362,7 @@ class Format(Protocol):
     """What `Serving` needs of an API's wire format (`ChatFormat` and `CompletionFormat` are two)."""
 
     prompt_param: ClassVar[str]  # the request field that holds the prompt, for errors about it
+    framing: ClassVar[str]  # "sse" (text/event-stream) or "ndjson" (application/x-ndjson)
     done_marker: ClassVar[str | None]
 
     def choice(self, index: int) -> Format: ...
@@ -429,6 +448,8 @@ class Serving:
             return await self._complete(raw, choices, fmt, timer, ticket)
         shutdown = anyio.Event()  # set by sse-starlette when the server stops: the drain begins
         events = self._stream(choices, fmt, include_usage, timer, shutdown, ticket)
+        if fmt.framing == "ndjson":  # Starlette cancels `events` when the client goes: the request is aborted
+            return StreamingResponse(events, media_type=NDJSON_MEDIA_TYPE)
         return EventSourceResponse(events, sep="\n", shutdown_event=shutdown,
                                    shutdown_grace_period=self.drain_s + SHUTDOWN_GRACE_S)
 

@@ -1,7 +1,7 @@
 """The API as a property-based client sees it (issue 11, item 11): schemathesis generates requests
 from the server's own OpenAPI schema, valid and invalid, for a bounded number of examples per
 operation. No 500, no 422, every error in OpenAI's shape (on Anthropic's `/v1/messages` paths, in
-Anthropic's around OpenAI's keys).
+Anthropic's around OpenAI's keys; on Ollama's `/api/` paths, Ollama's `{"error": "<message>"}`).
 
 The real app and a real (tiny, random) engine in this process, with a 48-token context so that a
 generated `max_tokens` never makes one example run long.
@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
-from server.errors import speaks_anthropic
+from server.errors import error_dialect
 from tests.fixtures.models import build_checkpoint
 from tests.test_server_faults import InProcessServer, wait_for_health
 
@@ -49,7 +49,10 @@ def test_no_500_no_422_and_every_error_in_its_apis_shape(case, server):
     assert response.status_code < 500 or response.status_code == 503, response.text[:500]
     if response.status_code >= 400 and case.path != "/health":  # /health answers {"status": ...}
         body = json.loads(response.content)
-        outer = {"type", "error"} if speaks_anthropic(case.path) else {"error"}
+        if error_dialect(case.path) == "ollama":
+            assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], response.text[:500]
+            return
+        outer = {"type", "error"} if error_dialect(case.path) == "anthropic" else {"error"}
         assert set(body) == outer and set(body["error"]) == ERROR_KEYS, response.text[:500]
         assert body.get("type", "error") == "error", response.text[:500]
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
