@@ -14,9 +14,8 @@ pipeline (`plan_chat`: tools, reasoning, the model's template) as `/v1/chat/comp
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
-from engine.api import InvalidRequestError, SamplingParams
+from engine.api import InvalidRequestError
 from server import protocol as p
 from server.anthropic_protocol import (
     CountTokensRequest,
@@ -63,17 +62,6 @@ def to_chat_request(body: CountTokensRequest) -> p.ChatCompletionRequest:
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                       stop=body.stop_sequences, stream=body.stream)
     return TranslatedChatRequest(**fields)
-
-
-def within_context(params: SamplingParams, prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """`max_tokens` cut to the context's room. Anthropic's clients must send it and send their largest
-    (Claude Code: 32,000), which a local model's context would refuse on every request; the answer ends
-    where the context does instead (stop_reason `max_tokens`), as llama.cpp and Ollama do. A prompt
-    that leaves no room is still refused."""
-    room = max_model_len - prompt_tokens
-    if params.max_tokens is None or room < 1 or params.max_tokens <= room:
-        return params
-    return replace(params, max_tokens=room)
 
 
 def _refuse_prefill(messages: list[MessageParam]) -> None:

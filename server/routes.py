@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -72,6 +72,17 @@ class ChatPlan:
     params: SamplingParams
     tools: ToolPlan
     reasoning: ReasoningPlan
+
+    def params_within(self, max_model_len: int) -> SamplingParams:
+        """`params` with `max_tokens` cut to the room the prompt leaves, for APIs whose clients ask for
+        more than any local context holds (Anthropic's must send `max_tokens`, and Claude Code sends
+        32,000) or whose servers cut it (Ollama's `num_predict`): the answer ends where the context does,
+        with the token limit's finish reason, where chat answers a 400. A prompt that leaves no room is
+        still refused."""
+        room = max_model_len - len(self.prompt)
+        if self.params.max_tokens is None or room < 1 or self.params.max_tokens <= room:
+            return self.params
+        return replace(self.params, max_tokens=room)
 
 
 async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine) -> ChatPlan:
@@ -224,7 +235,7 @@ async def create_message(body: anthropic.MessagesRequest, raw: Request) -> Respo
     plan = await plan_chat(anthropic_messages.to_chat_request(body), raw, engine)
     fmt = MessagesFormat(model_name(engine, body.model), len(plan.prompt), tool_plan=plan.tools,
                          reasoning_plan=plan.reasoning)
-    params = anthropic_messages.within_context(plan.params, len(plan.prompt), engine.max_model_len)
+    params = plan.params_within(engine.max_model_len)
     request = GenerationRequest(fmt.id, plan.prompt, params)
     response = await serving(raw).run(raw, fmt, request, bool(body.stream))
     return with_tool_warning(response, plan, fmt.id)
@@ -279,8 +290,7 @@ def _loaded(fmt: OllamaFormat, chat: p.ChatCompletionRequest, engine, unload: bo
 
 
 async def _run_ollama(raw: Request, engine, fmt: OllamaFormat, plan: ChatPlan, stream: bool) -> Response:
-    # as Ollama: a `num_predict` beyond the context's room ends where the context does (done_reason "length")
-    params = anthropic_messages.within_context(plan.params, len(plan.prompt), engine.max_model_len)
+    params = plan.params_within(engine.max_model_len)
     request = GenerationRequest(p.random_id("ollama"), plan.prompt, params)
     response = await serving(raw).run(raw, fmt, request, stream)
     return with_tool_warning(response, plan, request.request_id)
