@@ -52,7 +52,7 @@ class ModelFacts:
                          quantization_level=self.quantization)
 
     def entry(self, name: str, **running) -> o.ModelEntry:
-        """A model list's entry; `running`: `/api/ps`'s `expires_at` and `size_vram`."""
+        """A model list's entry; `running`: `/api/ps`'s `expires_at`, `size_vram` and `context_length`."""
         return o.ModelEntry(name=name, model=name, modified_at=self.modified_at, size=self.size,
                             digest=self.digest, details=self.details(), **running)
 

@@ -111,9 +111,9 @@ class Details(ResponseModel):
 
 
 class ModelEntry(ResponseModel):
-    """A model in `/api/tags` (and, with `expires_at` and `size_vram`, in `/api/ps`)."""
+    """A model in `/api/tags` (and, with `expires_at`, `size_vram` and `context_length`, in `/api/ps`)."""
 
-    _omit_unless_given = frozenset({"modified_at", "expires_at", "size_vram"})
+    _omit_unless_given = frozenset({"modified_at", "expires_at", "size_vram", "context_length"})
     name: str
     model: str
     modified_at: str | None = None
@@ -122,6 +122,7 @@ class ModelEntry(ResponseModel):
     details: Details
     expires_at: str | None = None
     size_vram: int | None = None
+    context_length: int | None = None
 
 
 class ModelList(ResponseModel):

@@ -323,7 +323,7 @@ async def ollama_ps(raw: Request) -> ollama.ModelList:
     facts = await _model_facts(raw, engine)
     size_vram = ollama_models.device_bytes(engine)
     return ollama.ModelList(models=[facts.entry(engine.model_name, expires_at=ollama_models.NEVER_EXPIRES,
-                                                size_vram=size_vram)])
+                                                size_vram=size_vram, context_length=engine.max_model_len)])
 
 
 @router.get("/api/version")

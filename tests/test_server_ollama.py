@@ -199,6 +199,7 @@ def test_tags_show_ps_version_through_the_library_and_raw(server, client):
 
     (running,) = client.ps().models
     assert running.model == MODEL and running.size_vram == 0 and running.expires_at.year > 2100  # on CPU
+    assert running.context_length == max_model_len
     version = httpx.get(f"{server.url}/api/version").json()
     assert tuple(map(int, version["version"].split("."))) >= (0, 6, 4)  # VS Code Copilot's minimum
     assert version["moe_serve_version"]
