@@ -10,7 +10,8 @@ which the project's CI does not have. Run it by hand:
 (the interpreter that runs it needs Playwright; --moe-python is the one with moe-serve installed;
 bench/RESULTS.md, "Open WebUI in a real browser", has the install commands and a recorded run.)
 
-It starts moe-serve (`python -m server`, the demo model) and Open WebUI on free ports, with a
+It starts moe-serve (`python -m server`, the demo model) and Open WebUI on free ports (connected to
+moe-serve's OpenAI API, or with `--connection ollama` to its Ollama API), with a
 small recording proxy in between so that every request Open WebUI sends to moe-serve is logged
 (path, whether the body carried `tools`, the status and moe-serve's warning header). It then opens
 Open WebUI in headless Chromium (Playwright), asks "What is the capital of France?", waits for the
@@ -123,12 +124,16 @@ def prompt_reuse(log_path: Path) -> dict[str, dict[str, int]]:
 
 
 def reply_text(body: bytes, stream: bool) -> str | None:
-    """The assistant text of a chat completion: a JSON body, or SSE `data:` chunks when streamed."""
+    """The assistant text of a chat answer: a JSON body, SSE `data:` chunks when streamed, or, from
+    Ollama's `/api/chat`, NDJSON lines (streamed or not, a `message` each)."""
     try:
+        lines = body.decode().splitlines()
+        if lines and lines[0].startswith("{") and '"message"' in lines[0]:  # Ollama's
+            return "".join(json.loads(line)["message"].get("content") or "" for line in lines if line)[:300]
         if not stream:
             return json.loads(body)["choices"][0]["message"]["content"][:300]
         parts = []
-        for line in body.decode().splitlines():
+        for line in lines:
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 choices = json.loads(line[5:]).get("choices") or [{}]
                 parts.append(choices[0].get("delta", {}).get("content") or "")
@@ -224,11 +229,17 @@ def start_moe_serve(python: str, port: int, log_path: Path) -> subprocess.Popen:
     return proc
 
 
-def open_webui_env(api_port: int, data_dir: Path) -> dict[str, str]:
+def open_webui_env(api_port: int, data_dir: Path, connection: str) -> dict[str, str]:
+    """`connection`: "openai" (Open WebUI's OpenAI connection to /v1) or "ollama" (its Ollama one, /api)."""
     env = dict(os.environ)
+    if connection == "ollama":
+        env.update({"OLLAMA_BASE_URL": f"http://127.0.0.1:{api_port}", "ENABLE_OLLAMA_API": "true",
+                    "ENABLE_OPENAI_API": "false"})
+    else:
+        env.update({"OPENAI_API_BASE_URL": f"http://127.0.0.1:{api_port}/v1", "OPENAI_API_KEY": "unused",
+                    "ENABLE_OLLAMA_API": "false"})
     env.update({
-        "OPENAI_API_BASE_URL": f"http://127.0.0.1:{api_port}/v1", "OPENAI_API_KEY": "unused",
-        "ENABLE_OLLAMA_API": "false", "WEBUI_AUTH": "False", "DATA_DIR": str(data_dir),
+        "WEBUI_AUTH": "False", "DATA_DIR": str(data_dir),
         # no internet beyond package registries: nothing may be fetched from Hugging Face
         "OFFLINE_MODE": "true", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "RAG_EMBEDDING_ENGINE": "openai", "RAG_EMBEDDING_MODEL_AUTO_UPDATE": "false",
@@ -239,11 +250,11 @@ def open_webui_env(api_port: int, data_dir: Path) -> dict[str, str]:
     return env
 
 
-def start_open_webui(exe: str, port: int, api_port: int, data_dir: Path, log_path: Path
+def start_open_webui(exe: str, port: int, api_port: int, data_dir: Path, log_path: Path, connection: str
                      ) -> subprocess.Popen:
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = start([exe, "serve", "--host", "127.0.0.1", "--port", str(port)],
-                 open_webui_env(api_port, data_dir), log_path, data_dir)
+                 open_webui_env(api_port, data_dir, connection), log_path, data_dir)
     wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
     return proc
 
@@ -370,6 +381,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--screenshot", type=Path, default=REPO / "bench" / "out" / "open_webui_chat.png")
     p.add_argument("--answer-timeout", type=float, default=300)
     p.add_argument("--follow-up", default=None, help="a second question in the same chat, after the first answer")
+    p.add_argument("--connection", choices=["openai", "ollama"], default="openai",
+                   help="Open WebUI's connection to moe-serve: OpenAI's API (/v1) or Ollama's (/api)")
     p.add_argument("--settle", type=float, default=300,
                    help="at most this long after the answer for Open WebUI's background requests")
     return p.parse_args()
@@ -388,7 +401,7 @@ def main() -> None:
         procs.append(start_moe_serve(args.moe_python, moe_port, args.logs / "moe_serve.log"))
         proxy = start_proxy(moe_port, records, in_flight)
         procs.append(start_open_webui(args.open_webui, webui_port, proxy.server_port,
-                                      args.data_dir, args.logs / "open_webui.log"))
+                                      args.data_dir, args.logs / "open_webui.log", args.connection))
         result = run_browser(args, f"http://127.0.0.1:{webui_port}", in_flight)
     except Exception as e:  # report what broke, with what was recorded up to then
         result["failure"] = f"{type(e).__name__}: {e}"
