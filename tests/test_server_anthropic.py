@@ -15,14 +15,17 @@ import json
 import anthropic
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
-from engine.api import ChatTemplateInfo
 from server.testing import RemoteServer
-from tests.fixtures.models import build_checkpoint
-from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
-from tests.test_server_tools import ASK, HISTORY, TOOLS, TWO_CALLS, RecordedEngine
+from tests.test_server_tools import (
+    ASK,
+    HISTORY,
+    TOOLS,
+    TWO_CALLS,
+    ThinkingRecordedEngine,
+    qwen_tool_checkpoint,
+)
 
 MODEL = "tiny-qwen"
 ALIAS = "claude-sonnet-4-5"  # a second --served-model-name, as Claude Code sends by default
@@ -99,10 +102,7 @@ def assert_error_shape(response: httpx.Response, status: int, error_type: str) -
 # -- a real server ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen-anthropic"))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    folder = qwen_tool_checkpoint(tmp_path_factory.mktemp("tiny-qwen-anthropic"))
     srv = RemoteServer(["--model", str(folder), "--served-model-name", f"{MODEL},{ALIAS}", "--device", "cpu"],
                        env={"MOE_SERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1"}, api_key=KEY)
     with srv:
@@ -267,25 +267,6 @@ def test_an_unknown_model_is_404_not_found_error(server, client):
 
 
 # -- scripted output: tool calls and thinking -----------------------------------------------------
-class ThinkingRecordedEngine(RecordedEngine):
-    """The tool tests' scripted engine with a template that thinks in `<think>` blocks; it also records
-    the template's variables."""
-
-    chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN_TOOLS_TEMPLATE + "{# <think> #}",
-                                          model_type="qwen3_moe")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.template_kwargs: dict | None = None
-
-    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
-        self.template_kwargs = template_kwargs
-        return super().apply_chat_template(messages, tools, template_kwargs)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 @pytest.fixture(scope="module")
 def recorded():
     engine = ThinkingRecordedEngine()

@@ -19,14 +19,19 @@ import httpx
 import jsonschema
 import ollama
 import pytest
-from transformers import AutoTokenizer
 
 from server.testing import RemoteServer
-from tests.fixtures.models import build_checkpoint
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
-from tests.test_server_anthropic import THOUGHT, ThinkingRecordedEngine
+from tests.test_server_anthropic import THOUGHT
 from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
-from tests.test_server_tools import ASK, HISTORY, TOOLS, TWO_CALLS
+from tests.test_server_tools import (
+    ASK,
+    HISTORY,
+    TOOLS,
+    TWO_CALLS,
+    ThinkingRecordedEngine,
+    qwen_tool_checkpoint,
+)
 
 MODEL = "tiny-qwen"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
@@ -63,10 +68,7 @@ def assert_done(last: dict, reason: str) -> None:
 # -- a real server ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    folder = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen-ollama"))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    folder = qwen_tool_checkpoint(tmp_path_factory.mktemp("tiny-qwen-ollama"))
     return folder
 
 

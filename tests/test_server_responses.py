@@ -17,16 +17,14 @@ import openai
 import pytest
 from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall
 
-from engine.api import ChatTemplateInfo
 from server import responses_protocol as rp
 from server.errors import APIError
 from server.responses import ResponseStore, StoredResponse
 from server.responses_format import ResponsesFormat
 from server.testing import RemoteServer, sse_data
 from server.tools import WARNING_HEADER
-from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_faults import InProcessServer, wait_for_health
-from tests.test_server_tools import ASK, TOOLS, TWO_CALLS, RecordedEngine
+from tests.test_server_tools import ASK, TOOLS, TWO_CALLS, ThinkingRecordedEngine
 
 MODEL = "tiny-mixtral"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -256,23 +254,13 @@ def test_a_long_input_is_refused_against_the_input(http):
 
 
 # -- a scripted engine: tool calls and reasoning ------------------------------------------------
-class ThinkingEngine(RecordedEngine):
-    """The recorded engine with a template that thinks (`<think>`): its output is read for reasoning."""
-
-    chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN_TOOLS_TEMPLATE + "{# <think> #}",
-                                          model_type="qwen3_moe")
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 THOUGHT = "I need the weather and the time."
 THINK_THEN_CALL = f"<think>{THOUGHT}</think>\n\n{TWO_CALLS}"
 
 
 @pytest.fixture(scope="module")
 def recorded():
-    engine = ThinkingEngine()
+    engine = ThinkingRecordedEngine()
     with InProcessServer(lambda: engine) as srv:
         wait_for_health(srv.url, 200)
         yield engine, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0), srv.url

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -94,6 +95,25 @@ def token_texts(text: str) -> list[str]:
     tokenizer = build_tokenizer("qwen")
     detokenizer = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return [detokenizer.push(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+class ThinkingRecordedEngine(RecordedEngine):
+    """The tool tests' scripted engine with a template that thinks in `<think>` blocks; it also records
+    the template's variables."""
+
+    chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN_TOOLS_TEMPLATE + "{# <think> #}",
+                                          model_type="qwen3_moe")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.template_kwargs: dict | None = None
+
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
+        self.template_kwargs = template_kwargs
+        return super().apply_chat_template(messages, tools, template_kwargs)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -229,12 +249,18 @@ def test_no_grammar_without_a_forced_call(recorded):
 
 
 # -- a real model with a tool template ------------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    folder = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen-tools"))
+def qwen_tool_checkpoint(folder: Path) -> Path:
+    """A tiny random Qwen3-MoE whose chat template takes tools (Qwen2.5's, Hermes-style calls)."""
+    build_checkpoint("qwen3_moe", folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = qwen_tool_checkpoint(tmp_path_factory.mktemp("tiny-qwen-tools"))
     srv = RemoteServer(["--model", str(folder), "--served-model-name", "tiny-qwen", "--device", "cpu"],
                        env=ONE_THREAD)
     with srv:
