@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig
@@ -19,6 +20,7 @@ from server import VERSION
 from server.config import ServerConfig, is_loopback_host
 from server.errors import APIError, install_error_handlers
 from server.metrics import ServerMetrics, status_of
+from server.origins import OriginPolicy, refused_origin
 from server.responses import ResponseStore
 from server.serving import Serving
 
@@ -27,15 +29,17 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
                     "/api/generate")
 OPEN_PATHS = ("/health",)  # answered without an API key
+EXPOSED_HEADERS = ("X-Moe-Serve-Warning", "Retry-After")  # what a browser page may read of an answer
 
 SYSTEM_FINGERPRINT = f"fp_moe-serve-{VERSION}"
 
 
 class GuardMiddleware:
-    """Refuses foreign Host headers while bound to loopback (DNS rebinding) and checks the API key."""
+    """Refuses foreign Host headers while bound to loopback (DNS rebinding) and web pages of origins
+    that `--allowed-origins` does not allow, and checks the API key."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, local_only: bool) -> None:
-        self.app, self.api_key, self.local_only = app, api_key, local_only
+    def __init__(self, app: ASGIApp, api_key: str | None, local_only: bool, origins: OriginPolicy) -> None:
+        self.app, self.api_key, self.local_only, self.origins = app, api_key, local_only, origins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -51,6 +55,13 @@ class GuardMiddleware:
             return APIError(403, f"Host {host!r} is not allowed: the server is bound to loopback and answers "
                             "only local names (DNS rebinding protection)", "permission_error",
                             code="host_not_allowed")
+        # a browser reads no answer without CORS headers, but it still sends a simple POST: refuse it
+        # before it runs, so that no web site the user visits can drive the model
+        origin = refused_origin(headers, self.origins)
+        if origin is not None:
+            return APIError(403, f"Origin {origin!r} is not allowed to call this server; start it with "
+                            f"--allowed-origins {origin} (or *) to allow that page", "permission_error",
+                            code="origin_not_allowed")
         if self.api_key is None or scope["path"] in OPEN_PATHS:
             return None
         keys = presented_keys(headers)
@@ -155,7 +166,13 @@ def create_app(
     install_error_handlers(app, on_error=lambda request, error: _count_error(metrics, request, error))
     app.include_router(router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
-    app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback)
+    origins = OriginPolicy.from_setting(server_config.allowed_origins)
+    app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback,
+                       origins=origins)
+    # outermost: a preflight is answered before the API key is asked for (browsers send none with it)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if origins.allows_any else [],
+                       allow_origin_regex=None if origins.allows_any else origins.regex,
+                       allow_methods=["*"], allow_headers=["*"], expose_headers=list(EXPOSED_HEADERS), max_age=600)
     return app
 
 

@@ -36,6 +36,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # None: no authentication
+    allowed_origins: str | None = None  # comma-separated origin patterns; None: local pages and apps only
     max_queue: int = 64  # requests waiting or running; beyond it, 503
     tool_call_parser: str = "auto"  # auto: from the chat template, else the model type
     reasoning_parser: str = "auto"  # auto: from the chat template, else the model type
@@ -55,6 +56,8 @@ class ServerConfig:
             raise ValueError(f"max-request-bytes must be at least 1, not {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api-key must not be blank")
+        if self.allowed_origins is not None:
+            _check_origin_patterns(self.allowed_origins)
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool-call-parser must be one of {', '.join(PARSER_NAMES)}, not {self.tool_call_parser!r}")
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -64,6 +67,14 @@ class ServerConfig:
     @property
     def is_loopback(self) -> bool:
         return is_loopback_host(self.host)
+
+
+def _check_origin_patterns(setting: str) -> None:
+    patterns = [pattern.strip() for pattern in setting.split(",")]
+    for pattern in patterns:
+        if pattern != "*" and "://" not in pattern:
+            raise ValueError(f"allowed-origins: {pattern!r} is not an origin: write scheme://host[:port] "
+                             "(e.g. http://localhost:3000, * for any part), or * for every origin")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -160,6 +171,11 @@ FLAGS: tuple[Flag, ...] = (
          "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
     Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every "
          "endpoint but /health", "KEY", default_text="none: no authentication"),
+    Flag("--allowed-origins", ServerConfig, str, "web pages that may call the server from a browser (CORS), "
+         "comma-separated; * in a pattern stands for any part (https://*.example.com), * alone allows every "
+         "site; a page of another origin gets 403", "ORIGIN[,ORIGIN...]",
+         default_text="local pages and apps only: http(s)://localhost, 127.0.0.1, [::1] and 0.0.0.0 on any port, "
+         "app://, file://, tauri://, vscode-webview:// and vscode-file://"),
     Flag("--max-queue", ServerConfig, int, "requests waiting or running at once; beyond it the "
          "server answers 503 with Retry-After", "N"),
     Flag("--max-request-bytes", ServerConfig, int, "largest request body in bytes; a larger one gets 413 "
