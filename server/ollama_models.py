@@ -1,16 +1,20 @@
 """What Ollama's model endpoints (`/api/tags`, `/api/show`, `/api/ps`) say about the served model,
-from what the engine knows. Unknowns are empty strings (the parameter count: the engine does not
-count its offloaded experts' parameters).
+from what the engine knows. Unknowns are empty strings.
 
 The model is loaded once at start and never unloaded: `/api/ps` lists it with an expiry far off.
 `size` is the checkpoint's safetensors files; `size_vram` the device memory torch has allocated
-(0 on CPU).
+(0 on CPU); `parameter_size` counts the elements of every tensor in the checkpoint's safetensors
+headers, experts included, written as Ollama writes it ("46.7B", "134.52M"); a checkpoint published
+quantized counts its stored elements (packed 4-bit pairs as one).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 from engine.api import EngineUnavailableError
 from server import ollama_protocol as o
@@ -40,6 +44,7 @@ class ModelFacts:
 
     family: str
     quantization: str
+    parameter_size: str
     size: int
     digest: str
     modified_at: str
@@ -49,7 +54,7 @@ class ModelFacts:
 
     def details(self) -> o.Details:
         return o.Details(family=self.family, families=[self.family] if self.family else [],
-                         quantization_level=self.quantization)
+                         parameter_size=self.parameter_size, quantization_level=self.quantization)
 
     def entry(self, name: str, **running) -> o.ModelEntry:
         """A model list's entry; `running`: `/api/ps`'s `expires_at`, `size_vram` and `context_length`."""
@@ -64,7 +69,9 @@ def model_facts(engine, reasoning_parser: str, started: float) -> ModelFacts:
     capabilities = ["completion"] + (["tools"] if info.supports_tools else []) + (
         ["thinking"] if reasoning not in (None, "none") else [])
     folder = getattr(getattr(engine, "loaded", None), "folder", None)
-    return ModelFacts(family=info.model_type, quantization=_expert_dtype(engine), size=_checkpoint_bytes(folder),
+    return ModelFacts(family=info.model_type, quantization=_expert_dtype(engine),
+                      parameter_size=human_count(_parameter_count(folder)) if folder is not None else "",
+                      size=_checkpoint_bytes(folder),
                       digest=_digest(folder), modified_at=rfc3339(started), context_length=engine.max_model_len,
                       template=info.source, capabilities=capabilities)
 
@@ -90,6 +97,22 @@ def _expert_dtype(engine) -> str:
         return str(engine.cache_info().get("expert_dtype") or "")
     except (AttributeError, EngineUnavailableError):  # a stand-in engine (tests) may not say
         return ""
+
+
+def human_count(count: int) -> str:
+    """A parameter count as Ollama shows it: billions with one decimal, else millions with two."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f}B"
+    if count >= 1e6:
+        return f"{count / 1e6:.2f}M"
+    return f"{count / 1e3:.2f}K" if count >= 1e3 else str(count)
+
+
+@functools.lru_cache(maxsize=4)  # headers only, but a large checkpoint has dozens of shards
+def _parameter_count(folder: Path) -> int:
+    from cache.safetensors_index import index_checkpoint  # imports torch: loaded already with the engine
+
+    return sum(math.prod(location.shape) for location in index_checkpoint(folder).values())
 
 
 def _checkpoint_bytes(folder) -> int:

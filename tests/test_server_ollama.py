@@ -19,7 +19,9 @@ import httpx
 import jsonschema
 import ollama
 import pytest
+import transformers
 
+from server.ollama_models import human_count
 from server.testing import RemoteServer
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_anthropic import THOUGHT
@@ -181,10 +183,18 @@ def test_format_schema_gives_valid_json(client):
     assert loose.response.lstrip().startswith("{")
 
 
-def test_tags_show_ps_version_through_the_library_and_raw(server, client):
+@pytest.mark.parametrize(("count", "shown"), [(46_702_792_704, "46.7B"), (134_515_008, "134.52M"),
+                                               (8_030_261_248, "8.0B"), (999, "999"), (52_000, "52.00K")])
+def test_parameter_counts_read_as_ollama_writes_them(count, shown):
+    assert human_count(count) == shown
+
+
+def test_tags_show_ps_version_through_the_library_and_raw(server, client, checkpoint):
     (listed,) = client.list().models
     assert listed.model == MODEL and listed.details.family == "qwen3_moe" and listed.size > 0 and listed.digest
     assert listed.details.format == "safetensors" and listed.details.quantization_level
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)  # every parameter, experts included
+    assert listed.details.parameter_size == human_count(sum(p.numel() for p in model.parameters()))
     raw = httpx.get(f"{server.url}/api/tags").json()
     assert set(raw["models"][0]) == {"name", "model", "modified_at", "size", "digest", "details"}
     assert raw["models"][0]["name"] == MODEL and set(raw["models"][0]["details"]) >= {
