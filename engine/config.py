@@ -37,6 +37,7 @@ class EngineConfig:
     expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4 | int4-mixed
     prefix_cache: int = 4  # KV caches of finished requests kept for a prompt that starts the same way; 0: off
     expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 (and int4-mixed's int4 weights) 32
+    chat_template: str | None = None  # a Jinja file, or the template text itself; None: the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

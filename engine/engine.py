@@ -36,6 +36,7 @@ from engine.api import (
     Usage,
 )
 from engine.chat_messages import prepare_messages, template_info
+from engine.chat_template import ChatTemplate, read_chat_template
 from engine.checkpoint import checkpoint_digest, published_format, read_config_dict, resolve_model_path
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
@@ -106,6 +107,8 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
+        # before the model: a bad --chat-template ends the start at once, not after minutes of loading
+        chat_template = read_chat_template(config.chat_template) if config.chat_template else None
         folder = _model_folder(config)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, folder, device)
@@ -113,6 +116,7 @@ class Engine:
         quant = _quant_request(config, folder, device)
         loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy, quant, config.max_model_len)
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        use_chat_template(tokenizer, chat_template)
         engine = cls(loaded, tokenizer, config, device)
         engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
         engine._attach_cache_features()
@@ -517,6 +521,18 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
         log.warning("ignoring the sampling defaults in %s: %s", folder / "generation_config.json", e)
         return {}
     return defaults
+
+
+def use_chat_template(tokenizer, override: ChatTemplate | None) -> None:
+    """Sets `override` on the tokenizer, the one source every user of the template reads (prompts, the
+    tool and reasoning parsers' auto-detection, Ollama's /api/show); logs which template is in use."""
+    if override is not None:
+        tokenizer.chat_template = override.text
+        log.info("chat template: %s (--chat-template), in place of the model's own", override.origin)
+    elif getattr(tokenizer, "chat_template", None):
+        log.info("chat template: the model's own")
+    else:
+        log.info("chat template: none (the model has none; --chat-template can give one)")
 
 
 def _eos_ids(folder: Path, tokenizer) -> set[int]:

@@ -187,6 +187,9 @@ FLAGS: tuple[Flag, ...] = (
          "without a cache size its whole KV cache is set aside before the expert cache takes the free memory",
          "N", default_text="the model's max_position_embeddings; on CUDA without a cache size, cut to what "
          "1/8 of the device memory left for the experts holds, at least 4096"),
+    Flag("--chat-template", EngineConfig, str, "Jinja chat template used instead of the model's own (for one that "
+         "is missing, broken or cannot take tools): a file, or the template text itself; read and checked at "
+         "start-up", "FILE|TEXT", default_text="the model's own"),
     Flag("--tool-call-parser", ServerConfig, str, "how tool calls are read out of the model's output: "
          "auto picks by the chat template, else the model type", choices=PARSER_NAMES),
     Flag("--reasoning-parser", ServerConfig, str, "how a reasoning model's thinking is read out of its output "

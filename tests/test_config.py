@@ -46,6 +46,8 @@ PRECEDENCE = [
     ("model", ("--model", "/m/flag"), "/m/env", "/m/yaml", ("/m/flag", "/m/env", "/m/yaml", None)),
     ("tool_call_parser", ("--tool-call-parser", "hermes"), "mistral", "glm45", ("hermes", "mistral", "glm45", "auto")),
     ("max_request_bytes", ("--max-request-bytes", "3000"), "2000", "1000", (3000, 2000, 1000, 4 * 2**20)),
+    ("chat_template", ("--chat-template", "/t/flag.jinja"), "/t/env.jinja", "/t/yaml.jinja",
+     ("/t/flag.jinja", "/t/env.jinja", "/t/yaml.jinja", None)),
 ]
 
 
