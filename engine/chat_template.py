@@ -41,11 +41,8 @@ def read_chat_template(value: str) -> ChatTemplate:
 
 
 def check_syntax(template: ChatTemplate) -> None:
-    # transformers' own compiler: the environment (sandbox, extensions such as {% generation %}) that renders it
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
     try:
-        _compile_jinja_template(template.text)
+        _compile(template.text)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{FLAG} {template.origin}: Jinja syntax error on line {e.lineno}: {e.message}") \
             from None
@@ -63,3 +60,15 @@ def _read_file(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ChatTemplateError(f"{FLAG} {path}: cannot read the file: {e}") from None
+
+
+def _compile(text: str) -> None:
+    try:
+        # transformers' own compiler: the environment (sandbox, extensions such as {% generation %}) that renders it
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a private name: a later transformers may move it; plain sandboxed Jinja then
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment().from_string(text)
+        return
+    _compile_jinja_template(text)
