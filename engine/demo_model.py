@@ -131,7 +131,7 @@ def ensure_demo_model_at(target: Path) -> Path:
             return target
         _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        log.info("building the demo model %s into %s (once, about a minute)", DEMO_MODEL_NAME, target)
+        log.info("building the demo model %s into %s (once: a minute or two on 2 CPU cores)", DEMO_MODEL_NAME, target)
         try:
             build_demo_model(tmp)
             _replace_dir(tmp, target)
