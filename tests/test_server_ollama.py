@@ -3,9 +3,12 @@ driven by the `ollama` library and by raw httpx reading the NDJSON stream line b
 
 - A real server on a tiny random Qwen3-MoE with a tool template: greedy answers equal chat's, streamed
   (Ollama's default) equals whole, counts, `num_predict`, raw and templated generate, the model
-  endpoints, `format` schemas, a client that leaves mid-stream, errors in Ollama's `{"error": str}`.
+  endpoints, `format` schemas, a client that leaves mid-stream, errors in Ollama's `{"error": str}`; a
+  history longer than the context (or `num_ctx`) answered with its oldest turns dropped, counted against
+  /tokenize, and what cannot fit refused.
 - The scripted engine of the tool tests (recorded output, real Qwen tokenizer): tool calls come back
-  with arguments as objects, thinking as `thinking`, and tool history reaches the template as chat's.
+  with arguments as objects, thinking as `thinking`, and tool history reaches the template as chat's;
+  with a prompt as long as its text, which messages a cut history keeps (tool answers go with their call).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import jsonschema
 import ollama
 import pytest
 
+from server import protocol as p
+from server.ollama_context import ContextFit
 from server.testing import RemoteServer
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 from tests.test_server_anthropic import THOUGHT
@@ -63,6 +68,26 @@ def assert_done(last: dict, reason: str) -> None:
     assert last["done"] is True and last["done_reason"] == reason
     assert all(isinstance(last[key], int) and last[key] >= 0 for key in TIMINGS)
     assert last["total_duration"] >= last["prompt_eval_duration"] + last["eval_duration"] > 0
+
+
+# -- the fit alone ----------------------------------------------------------------------------------
+def test_the_cut_is_found_in_few_renderings_and_keeps_every_system_message():
+    messages = [p.ChatMessage(role="system", content="rules")] + [
+        p.ChatMessage(role="user" if k % 2 == 0 else "assistant", content=f"m{k}") for k in range(400)]
+    messages.insert(101, p.ChatMessage(role="system", content="a late system message"))
+    renders: list[list[p.ChatMessage]] = []
+
+    def render(kept: list[p.ChatMessage]) -> list[int]:  # ten tokens a message
+        renders.append(kept)
+        return [0] * (10 * len(kept))
+
+    prompt = ContextFit(limit=1001).prompt(messages, render)
+    kept = next(kept for kept in renders if 10 * len(kept) == len(prompt))
+    assert len(prompt) == 1000 and len(renders) <= 12  # not one rendering per message
+    assert [m.content for m in kept[:2]] == ["rules", "a late system message"] and kept[2].role == "user"
+    assert kept[2:] == messages[-98:]
+    renders.clear()
+    assert len(ContextFit(limit=5000).prompt(messages, render)) == 4020 and renders == [messages]  # fits: once
 
 
 # -- a real server ------------------------------------------------------------------------------
