@@ -3,7 +3,9 @@ through the same chat pipeline (`plan_chat`: tools, reasoning, the model's templ
 `/v1/chat/completions`.
 
 - `options` are chat's sampling fields: `num_predict` is `max_tokens` (negative: no limit),
-  `repeat_penalty` is `repetition_penalty`; runtime options (`num_ctx`, ...) are ignored and logged.
+  `repeat_penalty` is `repetition_penalty`; runtime options (`num_gpu`, ...) are ignored and logged.
+  `num_ctx` (and `truncate`) are `/api/chat`'s: how its history is cut to fit (server/ollama_context.py);
+  `/api/generate` ignores `num_ctx` (logged).
 - `format` "json" is a `json_object` response format, a JSON schema a `json_schema` one.
 - `think` true/false is the template's `enable_thinking`; "low"/"medium"/"high" also `reasoning_effort`.
 - An assistant turn's `tool_calls` (arguments an object) become chat's (a JSON string, with ids), its
@@ -53,6 +55,8 @@ def generate_request(body: GenerateRequest) -> p.ChatCompletionRequest:
                                   "model", param="template")
     if body.context:
         log.info("ignoring the deprecated `context` of /api/generate: send the conversation to /api/chat")
+    if body.options is not None and body.options.num_ctx is not None:
+        log.info("ignoring options.num_ctx on /api/generate: the prompt is not cut to fit")
     system = [p.ChatMessage(role="system", content=body.system)] if body.system else []
     return _translated(body, system + [p.ChatMessage(role="user", content=body.prompt or "")], None)
 

@@ -20,8 +20,9 @@ Format = Literal["", "json"] | dict[str, Any]  # "json", or a JSON schema
 
 # -- requests -------------------------------------------------------------------------------
 class Options(OpenAIBaseModel):
-    """The sampling options; Ollama's runtime options (`num_ctx`, `num_gpu`, `num_thread`, ...) mean
-    nothing here: they are ignored, and logged, as any unknown field."""
+    """The sampling options, and `num_ctx` (on `/api/chat`: the context its history is cut to, see
+    server/ollama_context.py); Ollama's other runtime options (`num_gpu`, `num_thread`, ...) mean nothing
+    here: they are ignored, and logged, as any unknown field."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -33,6 +34,7 @@ class Options(OpenAIBaseModel):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    num_ctx: int | None = None
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -82,6 +84,7 @@ class GeneratingRequest(OpenAIBaseModel):
 class ChatRequest(GeneratingRequest):
     messages: list[Message] = Field(default_factory=list, max_length=MAX_MESSAGES)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    truncate: bool | None = True  # drop the oldest messages where the prompt is longer than the context
 
 
 class GenerateRequest(GeneratingRequest):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
@@ -12,13 +13,14 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
-from server import VERSION, anthropic_messages, ollama_messages, ollama_models, responses
+from server import VERSION, anthropic_messages, ollama_context, ollama_messages, ollama_models, responses
 from server import anthropic_protocol as anthropic
 from server import ollama_protocol as ollama
 from server import protocol as p
 from server.anthropic_format import MessagesFormat
 from server.errors import APIError, model_not_found
 from server.json_body import StrictJSONRoute
+from server.ollama_context import Render
 from server.ollama_format import ChatFormat as OllamaChatFormat
 from server.ollama_format import GenerateFormat as OllamaGenerateFormat
 from server.ollama_format import OllamaFormat, loaded_reply
@@ -85,15 +87,28 @@ class ChatPlan:
         return replace(self.params, max_tokens=room)
 
 
-async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine) -> ChatPlan:
-    """The chat pipeline every chat-shaped API shares (chat completions, and those translated to it)."""
+PromptFit = Callable[[list[p.ChatMessage], Render], list[int]]  # messages, their rendering -> the prompt
+
+
+def whole_prompt(messages: list[p.ChatMessage], render: Render) -> list[int]:
+    """The prompt of every message: a prompt longer than the context is refused later, by the engine."""
+    return render(messages)
+
+
+async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine, fit: PromptFit = whole_prompt) -> ChatPlan:
+    """The chat pipeline every chat-shaped API shares (chat completions, and those translated to it);
+    `fit`: which of the messages make the prompt (Ollama's `/api/chat` drops the oldest to fit the context)."""
     added_tokens = added_token_ids(engine.tokenizer) if body.tools else None
     tools = plan_tools(body, engine.chat_template_info, raw.app.state.tool_call_parser, added_tokens)
     params = body.to_sampling_params(engine.sampling_defaults)
     params = with_response_format(tools.sampling_params(params), body.response_format)
+
+    def render(messages: list[p.ChatMessage]) -> list[int]:
+        return engine.apply_chat_template(tools.messages([m.to_engine() for m in messages]), tools.tools,
+                                          body.template_kwargs())
+
     # the model's own template, never the request's; off the event loop, like all tokenizing
-    prompt = await run_in_threadpool(engine.apply_chat_template, tools.messages(body.engine_messages()), tools.tools,
-                                     body.template_kwargs())
+    prompt = await run_in_threadpool(fit, body.messages, render)
     reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt)
     return ChatPlan(prompt, reasoning.sampling_params(params), tools, reasoning)
 
@@ -260,7 +275,8 @@ async def ollama_chat(body: ollama.ChatRequest, raw: Request) -> Response:
     chat = ollama_messages.chat_request(body)
     if not body.messages:  # nothing to answer: a client loading the model
         return _loaded(OllamaChatFormat(body.model, started), chat, engine, body.unloads)
-    plan = await plan_chat(chat, raw, engine)
+    fit = ollama_context.context_fit(body.options, body.truncate, engine.max_model_len)
+    plan = await plan_chat(chat, raw, engine, fit.prompt)
     fmt = OllamaChatFormat(body.model, started, plan.tools, plan.reasoning)
     return await _run_ollama(raw, engine, fmt, plan, body.streams)
 

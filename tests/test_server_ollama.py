@@ -3,9 +3,12 @@ driven by the `ollama` library and by raw httpx reading the NDJSON stream line b
 
 - A real server on a tiny random Qwen3-MoE with a tool template: greedy answers equal chat's, streamed
   (Ollama's default) equals whole, counts, `num_predict`, raw and templated generate, the model
-  endpoints, `format` schemas, a client that leaves mid-stream, errors in Ollama's `{"error": str}`.
+  endpoints, `format` schemas, a client that leaves mid-stream, errors in Ollama's `{"error": str}`; a
+  history longer than the context (or `num_ctx`) answered with its oldest turns dropped, counted against
+  /tokenize, and what cannot fit refused.
 - The scripted engine of the tool tests (recorded output, real Qwen tokenizer): tool calls come back
-  with arguments as objects, thinking as `thinking`, and tool history reaches the template as chat's.
+  with arguments as objects, thinking as `thinking`, and tool history reaches the template as chat's;
+  with a prompt as long as its text, which messages a cut history keeps (tool answers go with their call).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import ollama
 import pytest
 import transformers
 
+from server import protocol as p
+from server.ollama_context import ContextFit
 from server.ollama_models import human_count
 from server.testing import RemoteServer
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
@@ -65,6 +70,26 @@ def assert_done(last: dict, reason: str) -> None:
     assert last["done"] is True and last["done_reason"] == reason
     assert all(isinstance(last[key], int) and last[key] >= 0 for key in TIMINGS)
     assert last["total_duration"] >= last["prompt_eval_duration"] + last["eval_duration"] > 0
+
+
+# -- the fit alone ----------------------------------------------------------------------------------
+def test_the_cut_is_found_in_few_renderings_and_keeps_every_system_message():
+    messages = [p.ChatMessage(role="system", content="rules")] + [
+        p.ChatMessage(role="user" if k % 2 == 0 else "assistant", content=f"m{k}") for k in range(400)]
+    messages.insert(101, p.ChatMessage(role="system", content="a late system message"))
+    renders: list[list[p.ChatMessage]] = []
+
+    def render(kept: list[p.ChatMessage]) -> list[int]:  # ten tokens a message
+        renders.append(kept)
+        return [0] * (10 * len(kept))
+
+    prompt = ContextFit(limit=1001).prompt(messages, render)
+    kept = next(kept for kept in renders if 10 * len(kept) == len(prompt))
+    assert len(prompt) == 1000 and len(renders) <= 12  # not one rendering per message
+    assert [m.content for m in kept[:2]] == ["rules", "a late system message"] and kept[2].role == "user"
+    assert kept[2:] == messages[-98:]
+    renders.clear()
+    assert len(ContextFit(limit=5000).prompt(messages, render)) == 4020 and renders == [messages]  # fits: once
 
 
 # -- a real server ------------------------------------------------------------------------------
@@ -137,6 +162,77 @@ def test_num_predict_beyond_the_context_ends_where_the_context_does(server, clie
     answer = client.generate(model=MODEL, prompt="story " * (max_model_len - 40), raw=True, stream=False,
                              options={"temperature": 0, "num_predict": 100})
     assert answer.done_reason == "length" and answer.eval_count == max_model_len - answer.prompt_eval_count < 100
+
+
+SYSTEM = [{"role": "system", "content": "You are a patient storyteller."}]
+
+
+def exchanges(count: int, words: int = 24) -> list[dict]:
+    """`count` user/assistant exchanges, each message `words` numbered words, then a last question."""
+    history = []
+    for turn in range(count):
+        history += [{"role": "user", "content": " ".join(f"ask{turn}w{w}" for w in range(words))},
+                    {"role": "assistant", "content": " ".join(f"told{turn}w{w}" for w in range(words))}]
+    return history + [{"role": "user", "content": "And then what happened?"}]
+
+
+def template_tokens(url: str, messages: list[dict]) -> int:
+    response = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=30)
+    return response.json()["count"]
+
+
+def longest_fitting_tokens(url: str, messages: list[dict], limit: int) -> int:
+    """The prompt tokens of the most history (from a user message on, the system message kept) under `limit`,
+    found one cut at a time."""
+    system, history = messages[:1], messages[1:]
+    for start in (k for k, message in enumerate(history) if message["role"] == "user"):
+        tokens = template_tokens(url, system + history[start:])
+        if tokens < limit:
+            return tokens
+    raise AssertionError("nothing fits")
+
+
+def test_a_history_longer_than_the_context_drops_the_oldest_turns_streamed_or_not(server, client):
+    max_model_len = server.openai().models.retrieve(MODEL).model_extra["max_model_len"]
+    messages = SYSTEM + exchanges(12)
+    assert template_tokens(server.url, messages) > max_model_len
+    expected = longest_fitting_tokens(server.url, messages, max_model_len)
+
+    answer = client.chat(model=MODEL, messages=messages, options=GREEDY, stream=False)
+    assert answer.prompt_eval_count == expected and answer.eval_count == 8
+    lines = ndjson(server.url, "/api/chat", {"model": MODEL, "messages": messages, "options": GREEDY})
+    assert lines[-1]["prompt_eval_count"] == expected
+    assert "".join(line["message"]["content"] for line in lines) == answer.message.content
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"  # unchanged
+
+
+def test_num_ctx_below_the_context_is_where_the_history_is_cut_and_above_it_is_capped(server, client):
+    max_model_len = server.openai().models.retrieve(MODEL).model_extra["max_model_len"]
+    messages = SYSTEM + exchanges(12)
+    small = client.chat(model=MODEL, messages=messages, options={**GREEDY, "num_ctx": 200}, stream=False)
+    assert small.prompt_eval_count == longest_fitting_tokens(server.url, messages, 200)
+    large = client.chat(model=MODEL, messages=messages, options={**GREEDY, "num_ctx": 8 * max_model_len},
+                        stream=False)
+    assert large.prompt_eval_count == longest_fitting_tokens(server.url, messages, max_model_len)
+
+
+def test_a_history_that_fits_is_the_whole_prompt(server, client):
+    messages = SYSTEM + exchanges(2, words=4)
+    answer = client.chat(model=MODEL, messages=messages, options={**GREEDY, "num_ctx": 2048}, stream=False)
+    assert answer.prompt_eval_count == template_tokens(server.url, messages)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": SYSTEM + exchanges(12), "truncate": False}, "(truncate is false)"),
+    ({"messages": SYSTEM + exchanges(2, words=4), "truncate": False, "options": {"num_ctx": 40}},
+     "(40 tokens (options.num_ctx))"),
+    ({"messages": SYSTEM + exchanges(2) + [{"role": "user", "content": "word " * 600}]}, "latest message alone"),
+])
+def test_what_cannot_fit_is_refused_in_ollamas_shape(server, body, needle):
+    response = httpx.post(f"{server.url}/api/chat", json={"model": MODEL, **body}, timeout=60)
+    message = assert_ollama_error(response, 400, "the input length exceeds the context length")
+    assert needle in message
 
 
 def test_generate_templated_equals_chat_and_raw_equals_completions(server, client):
@@ -365,6 +461,69 @@ def test_thinking_comes_back_apart_and_think_sets_the_template(recorded):
     assert (generated.thinking, generated.response) == ("The user wants the weather.", "It is sunny.")
     shown = httpx.post(f"{url}/api/show", json={"model": "recorded"}).json()
     assert shown["capabilities"] == ["completion", "tools", "thinking"]
+
+
+class ContextRecordedEngine(ThinkingRecordedEngine):
+    """The recorded engine with a prompt as long as its messages' text in Qwen tokens; it records every
+    rendering, and which one ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renders: list[tuple[list[dict], list[int]]] = []
+        self.ran: list[dict] = []
+        self.prompt: list[int] = []
+
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
+        text = "\n".join(f"{m['role']}: {m.get('content') or ''} {m.get('tool_calls') or ''}" for m in messages)
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        self.renders.append((messages, tokens))
+        return tokens
+
+    def generate(self, request, should_abort):
+        self.prompt = request.prompt_token_ids
+        self.ran = next(messages for messages, tokens in self.renders if tokens == self.prompt)
+        self.renders = []
+        return super().generate(request, should_abort)
+
+
+@pytest.fixture(scope="module")
+def recorded_context():
+    engine = ContextRecordedEngine()
+    engine.output = "Once upon a time."
+    with InProcessServer(lambda: engine) as srv:
+        wait_for_health(srv.url, 200)
+        yield engine, ollama.Client(host=srv.url, timeout=60), srv.url
+
+
+def prompt_that_ran(engine: ContextRecordedEngine, client: ollama.Client, messages: list[dict], **options) -> list:
+    client.chat(model="recorded", messages=messages, tools=TOOLS, options=options, stream=False)
+    return [(m["role"], m["content"]) for m in engine.ran]
+
+
+def test_the_kept_history_holds_the_system_message_and_the_latest_turns(recorded_context):
+    engine, client, url = recorded_context
+    engine.max_model_len = 4096
+    messages = SYSTEM + exchanges(20, words=8)
+    whole = prompt_that_ran(engine, client, messages)
+    assert whole == [(m["role"], m["content"]) for m in messages]  # it fits: unchanged
+
+    engine.max_model_len = 300
+    kept = prompt_that_ran(engine, client, messages)
+    assert kept[0] == ("system", SYSTEM[0]["content"]) and kept[-1] == whole[-1]
+    assert kept[1][0] == "user" and kept[1:] == whole[-len(kept) + 1:] and len(kept) < len(whole) - 4
+    streamed = ndjson(url, "/api/chat", {"model": "recorded", "messages": messages})
+    assert [(m["role"], m["content"]) for m in engine.ran] == kept and streamed[-1]["done"]
+
+
+def test_an_assistant_turn_is_dropped_with_its_tool_answers(recorded_context):
+    engine, client, _ = recorded_context
+    engine.max_model_len = 4096
+    latest = exchanges(1, words=4)
+    messages = SYSTEM + [{"role": "user", "content": "Hi"}] + OLLAMA_HISTORY[1:] + latest
+    prompt_that_ran(engine, client, messages)
+    # under num_ctx = the whole prompt, dropping "Hi" alone would fit, but would leave its call's answers first
+    kept = prompt_that_ran(engine, client, messages, num_ctx=len(engine.prompt))
+    assert kept == [(m["role"], m["content"]) for m in SYSTEM + latest]
 
 
 def test_an_error_after_the_stream_started_is_an_error_line():
