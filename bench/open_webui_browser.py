@@ -223,8 +223,8 @@ def start_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: li
 
 # --- the two servers ---------------------------------------------------------------------------
 
-def start_moe_serve(python: str, port: int, log_path: Path) -> subprocess.Popen:
-    proc = start([python, "-m", "server", "--port", str(port)], dict(os.environ), log_path, REPO)
+def start_moe_serve(python: str, port: int, log_path: Path, extra_args: list[str], repo: Path = REPO) -> subprocess.Popen:
+    proc = start([python, "-m", "server", "--port", str(port), *extra_args], dict(os.environ), log_path, repo)
     wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
     return proc
 
@@ -383,6 +383,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--follow-up", default=None, help="a second question in the same chat, after the first answer")
     p.add_argument("--connection", choices=["openai", "ollama"], default="openai",
                    help="Open WebUI's connection to moe-serve: OpenAI's API (/v1) or Ollama's (/api)")
+    p.add_argument("--moe-arg", action="append", default=[], metavar="ARG",
+                   help="one more moe-serve argument (repeat it: --moe-arg=--max-model-len --moe-arg=96)")
+    p.add_argument("--server-repo", type=Path, default=REPO, help="checkout whose server runs (e.g. an older commit)")
     p.add_argument("--settle", type=float, default=300,
                    help="at most this long after the answer for Open WebUI's background requests")
     return p.parse_args()
@@ -398,7 +401,8 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     result: dict[str, Any] = {}
     try:
-        procs.append(start_moe_serve(args.moe_python, moe_port, args.logs / "moe_serve.log"))
+        procs.append(start_moe_serve(args.moe_python, moe_port, args.logs / "moe_serve.log", args.moe_arg,
+                                     args.server_repo))
         proxy = start_proxy(moe_port, records, in_flight)
         procs.append(start_open_webui(args.open_webui, webui_port, proxy.server_port,
                                       args.data_dir, args.logs / "open_webui.log", args.connection))
