@@ -36,6 +36,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     expert_dtype: str = "auto"  # auto / bf16: the experts as the checkpoint holds them (in --dtype); int8 | int4 | int4-mixed
     prefix_cache: int = 4  # KV caches of finished requests kept for a prompt that starts the same way; 0: off
+    prefix_cache_host_gb: float | None = None  # host RAM for kept KV caches off the device; None: auto, 0: off
     expert_group_size: int | None = None  # 0: one scale per output channel; None: int8 per channel, int4 (and int4-mixed's int4 weights) 32
     chat_template: str | None = None  # a Jinja file, or the template text itself; None: the model's own
 
@@ -66,6 +67,8 @@ class EngineConfig:
         }
         if self.prefix_cache < 0:
             raise ValueError(f"prefix-cache must be 0 (off) or a number of entries, not {self.prefix_cache}")
+        if self.prefix_cache_host_gb is not None and not 0 <= self.prefix_cache_host_gb < float("inf"):
+            raise ValueError(f"prefix-cache-host-gb must be a number of GiB >= 0, not {self.prefix_cache_host_gb}")
         for name, value in positive.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, not {value}")

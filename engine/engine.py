@@ -41,11 +41,12 @@ from engine.checkpoint import checkpoint_digest, published_format, read_config_d
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from engine.kv_budget import DEFAULT_KV_SHARE, model_max_len, warn_if_context_may_not_fit
+from engine.host_memory import available_ram_bytes
+from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import HostTier, PrefixCache
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 from engine.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -60,6 +61,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 WARM_UP_TOKENS = 4
+PREFIX_HOST_DEFAULT_BYTES = 2**30  # kept KV caches in host RAM by default: a long chat's few turns
 
 
 @dataclass
@@ -85,7 +87,8 @@ class Engine:
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = config.max_model_len or loaded.max_context or model_max_len(loaded.config)
         # with the running request, at most one context's KV cache: what the device sizing set aside
-        self.prefix_cache = PrefixCache(config.prefix_cache, self.max_model_len) if config.prefix_cache else None
+        self.prefix_cache = (PrefixCache(config.prefix_cache, self.max_model_len, _prefix_host_tier(config, device))
+                             if config.prefix_cache else None)
         self.prompt_tokens = self.prompt_tokens_cached = 0  # over all requests: the prompts, and what was reused
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
         self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
@@ -409,6 +412,7 @@ class Engine:
             "lookahead_accuracy": self.runtime.prefetcher.lookahead_accuracy if self.runtime.prefetcher else None,
             "cpu_experts": self._cpu_experts_info(totals),
             "eamc_entries": _eamc_size(self.runtime.policy),
+            "prefix_cache": self.prefix_cache.summary() if self.prefix_cache is not None else None,
             "eamc_path": str(self._eamc_saver.path) if self._eamc_saver else None,
             "layers": [
                 {
@@ -521,6 +525,19 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
         log.warning("ignoring the sampling defaults in %s: %s", folder / "generation_config.json", e)
         return {}
     return defaults
+
+
+def _prefix_host_tier(config: EngineConfig, device: torch.device) -> HostTier | None:
+    """The host RAM kept KV caches may move to off the device (`--prefix-cache-host-gb`)."""
+    if config.prefix_cache_host_gb is not None:
+        capacity = int(config.prefix_cache_host_gb * GIB)
+    else:  # after the experts loaded: a share of what they left, never the RAM the system needs
+        available = available_ram_bytes()
+        capacity = min(PREFIX_HOST_DEFAULT_BYTES, available // 8) if available is not None else PREFIX_HOST_DEFAULT_BYTES
+    if capacity <= 0:
+        return None
+    log.info("kept KV caches: up to %.2f GiB in host RAM once they leave the device's context budget", capacity / GIB)
+    return HostTier(capacity, device)
 
 
 def use_chat_template(tokenizer, override: ChatTemplate | None) -> None:

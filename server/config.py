@@ -167,6 +167,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--prefix-cache", EngineConfig, int, "KV caches of finished requests kept for reuse: a prompt that starts "
          "like one of them (a chat's next turn, a regenerated answer) skips the prefill of that part; they share "
          "one context's KV memory with the running request; 0 turns reuse off", "N"),
+    Flag("--prefix-cache-host-gb", EngineConfig, float, "host RAM for kept KV caches that no longer fit the "
+         "device's context budget (a chat's earlier turns while a chat client's background requests run): they "
+         "move there instead of being dropped, and are copied back when a prompt reuses them; 0: off", "GB",
+         default_text="1 GiB, or an eighth of the RAM available after the experts load when that is less"),
     Flag("--record-trace", EngineConfig, str, "append every request's expert routing to FILE "
          "(moe-trace/1 JSON Lines, for `python -m cache.replay`)", "FILE", default_text="off"),
     Flag("--api-key", ServerConfig, str, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every "

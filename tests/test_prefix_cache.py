@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
+from engine.prefix_cache import MIN_REUSE_TOKENS, HostTier, PrefixCache, kv_bytes
 from tests.fixtures.models import FAMILIES, build_checkpoint, reference_greedy
 
 NEW_TOKENS = 10
@@ -144,6 +144,100 @@ def test_a_cache_that_does_not_hold_exactly_the_given_tokens_is_not_kept():
     cache.put(CONVERSATION[:-1], kv)  # does not say what the cache holds
     cache.put(CONVERSATION, None)
     assert len(cache) == 0
+
+
+# -- the host tier ---------------------------------------------------------------------------------
+class TaggingHostTier(HostTier):
+    """Stands for another device: tensors "on the host" are float64, so a kept cache used while still
+    there would show (the engine computes in float32); both directions are counted."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes, torch.device("cpu"))
+        self.moves = {"to_host": 0, "to_device": 0}
+
+    def to_host(self, kv) -> None:
+        self.moves["to_host"] += 1
+        self._move(kv, lambda tensor: tensor.to(torch.float64))
+
+    def to_device(self, kv) -> None:
+        self.moves["to_device"] += 1
+        self._move(kv, lambda tensor: tensor.to(torch.float32))
+
+
+def on_device(kv: DynamicCache) -> bool:
+    return all(layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32 for layer in kv.layers)
+
+
+def test_an_entry_off_the_device_budget_moves_to_the_host_and_comes_back_for_its_next_turn():
+    host = TaggingHostTier(capacity_bytes=10**6)
+    cache = PrefixCache(max_entries=4, budget_tokens=100, host=host)
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    cache.make_room(running_tokens=70)  # a background request: 60 kept + 70 running > 100
+    assert cache.held_tokens == 0 and len(cache) == 1 and host.moves == {"to_host": 1, "to_device": 0}
+    assert cache.summary() == {"entries_on_device": 0, "tokens_on_device": 0, "entries_in_host_ram": 1,
+                               "host_ram_bytes": 2 * kv_bytes(kv_of(CONVERSATION)),  # float64: twice
+                               "host_ram_capacity_bytes": 10**6}
+    kv, reused = cache.take(CONVERSATION + [1, 2, 3])  # the chat's next turn
+    assert reused == len(CONVERSATION) and held(kv) == CONVERSATION and on_device(kv)
+    assert len(cache) == 0 and host.moves["to_device"] == 1
+
+
+def test_a_part_of_a_host_entry_is_copied_to_the_device_and_the_entry_stays_on_the_host():
+    host = TaggingHostTier(capacity_bytes=10**6)
+    cache = PrefixCache(max_entries=4, budget_tokens=100, host=host)
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    cache.make_room(running_tokens=70)
+    kv, reused = cache.take(CONVERSATION[:20] + list(range(1000, 1060)))  # shares only the head: copied
+    assert reused == 20 and held(kv) == CONVERSATION[:20] and on_device(kv)
+    assert cache.summary()["entries_in_host_ram"] == 1  # still there for the conversation's next turn
+    kv, reused = cache.take(CONVERSATION + [1])
+    assert reused == len(CONVERSATION) and on_device(kv)
+
+
+def test_the_host_tier_drops_its_least_recently_used_beyond_its_bytes_and_the_device_count_stays():
+    one = kv_bytes(kv_of(CONVERSATION))
+    host = HostTier(capacity_bytes=2 * one, device=torch.device("cpu"))  # on the CPU: nothing moves
+    cache = PrefixCache(max_entries=1, budget_tokens=10_000, host=host)
+    prompts = [list(range(1000 * i, 1000 * i + 60)) for i in range(1, 5)]
+    for prompt in prompts:
+        cache.put(prompt, kv_of(prompt))  # one on the device: each earlier one moves to the host
+    summary = cache.summary()
+    assert summary["entries_on_device"] == 1 and summary["entries_in_host_ram"] == 2
+    assert summary["host_ram_bytes"] == 2 * one
+    assert cache.take(prompts[0] + [1]) == (None, 0)  # the oldest went
+    assert [cache.take(prompt + [1])[1] for prompt in prompts[1:]] == [60, 60, 60]
+
+
+def test_what_the_host_tier_cannot_hold_is_dropped_as_without_it():
+    cache = PrefixCache(max_entries=4, budget_tokens=100, host=HostTier(10, torch.device("cpu")))  # too small
+    cache.put(CONVERSATION, kv_of(CONVERSATION))
+    cache.make_room(running_tokens=70)
+    assert len(cache) == 0
+
+
+def chat_turns(engine: Engine, first_prompt: list[int], background: list[int]):
+    """A chat's first turn, a background request long enough to push it off the device, then its next
+    turn: the next turn's tokens and usage."""
+    answer, _ = greedy(engine, first_prompt)
+    greedy(engine, background)
+    next_prompt = first_prompt + answer + list(range(50, 70))
+    return next_prompt, *greedy(engine, next_prompt)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_chat_survives_a_background_request_the_device_budget_cannot_hold_beside_it(tmp_path, family):
+    folder = build_checkpoint(family, tmp_path / family)
+    first_prompt, background = list(range(5, 45)), list(range(300, 390))  # 50 + 100 tokens in a context of 128
+    with_tier = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", max_model_len=128))
+    next_prompt, tokens, usage = chat_turns(with_tier, first_prompt, background)
+    assert usage.cached_tokens == len(first_prompt) + NEW_TOKENS - 1
+    assert tokens == reference_greedy(folder, next_prompt, NEW_TOKENS)
+    assert with_tier.cache_info()["prefix_cache"]["host_ram_capacity_bytes"] > 0
+    with_tier.close()
+    without = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", max_model_len=128,
+                                       prefix_cache_host_gb=0))
+    assert chat_turns(without, first_prompt, background)[2].cached_tokens == 0  # dropped: all computed again
+    without.close()
 
 
 # -- through the engine ----------------------------------------------------------------------------
