@@ -75,6 +75,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token plus that many
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the completion as end-of-sequence does (FIM's)
     skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
     grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
     grammar_after: int | None = None  # ... or the completion after this token (a thinking model's `</think>`)

@@ -41,6 +41,7 @@ from engine.checkpoint import checkpoint_digest, published_format, read_config_d
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from engine.fim import detect_fim, fim_prompt_ids
 from engine.host_memory import available_ram_bytes
 from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
@@ -93,6 +94,9 @@ class Engine:
         self.eos_ids = _eos_ids(loaded.folder, tokenizer)
         self.chat_template_info = template_info(getattr(tokenizer, "chat_template", None),
                                                 loaded.config.model_type)
+        self._fim = detect_fim(tokenizer)
+        self.fim_format: str | None = self._fim.name if self._fim else None  # "qwen", "deepseek", ...
+        self.fim_stop_ids: tuple[int, ...] = self._fim.stop_ids if self._fim else ()  # each ends a middle
         defaults = generation_defaults(loaded.folder)
         self.max_new_tokens: int | None = defaults.pop("max_tokens", None)  # when a request sets no max_tokens
         self.sampling_defaults = defaults  # what a request that omits one of these gets
@@ -210,6 +214,16 @@ class Engine:
         with self._encoder_lock:
             return self._encoder(text, add_special_tokens=True)["input_ids"]
 
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt for the code around the cursor (engine/fim.py); a request should also
+        stop at `fim_stop_ids`. A model without FIM tokens: InvalidRequestError naming `suffix`."""
+        if self._fim is None:
+            raise InvalidRequestError("this model has no fill-in-the-middle tokens, so it cannot complete between "
+                                      "a prompt and a suffix (code models such as Qwen2.5/3-Coder, "
+                                      "DeepSeek-Coder-V2, Codestral and StarCoder have them)", param="suffix")
+        with self._encoder_lock:
+            return fim_prompt_ids(self._encoder, self._fim, prefix, suffix)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -255,6 +269,8 @@ class Engine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
@@ -308,9 +324,7 @@ class Engine:
                     sampler.observe(token)
                     times.tokens += 1
                     times.first_token = times.first_token or time.perf_counter()
-                    event = self._step_event(
-                        token, logits, params.top_logprobs, detokenizer, stops, params.ignore_eos
-                    )
+                    event = self._step_event(token, logits, params, detokenizer, stops)
                     if event.finish_reason is None and times.tokens >= max_tokens:
                         event = GenerationEvent(
                             event.text + stops.flush(), event.token_ids, event.logprobs, "length"
@@ -357,11 +371,11 @@ class Engine:
         out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], out.cache
 
-    def _step_event(self, token, logits, top_logprobs, detokenizer, stops, ignore_eos) -> GenerationEvent:
+    def _step_event(self, token, logits, params: SamplingParams, detokenizer, stops) -> GenerationEvent:
         logprobs = ()
-        if top_logprobs is not None:
-            logprobs = (token_logprob(logits[: self.vocab_size], token, top_logprobs, self._token_text),)
-        if token in self.eos_ids and not ignore_eos:
+        if params.top_logprobs is not None:
+            logprobs = (token_logprob(logits[: self.vocab_size], token, params.top_logprobs, self._token_text),)
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return GenerationEvent(stops.flush(), (token,), logprobs, "stop")
         text, stopped = stops.feed(detokenizer.push(token))
         if stopped:

@@ -11,8 +11,10 @@ through the same chat pipeline (`plan_chat`: tools, reasoning, the model's templ
 - An assistant turn's `tool_calls` (arguments an object) become chat's (a JSON string, with ids), its
   `thinking` its `reasoning_content`; a `tool` turn answers the first unanswered call of its
   `tool_name` (else the next unanswered one).
-- `/api/generate` is one user turn (after `system`); with `raw` the prompt is encoded as it is.
-- Refused with a 400 that names them: images, `suffix`, a `template` of the request's own.
+- `/api/generate` is one user turn (after `system`); with `raw` the prompt is encoded as it is; with a
+  `suffix` (`raw` or not) the prompt and suffix are the code around the cursor, completed between them with
+  the model's fill-in-the-middle tokens (`system` ignored, logged).
+- Refused with a 400 that names them: images, a `template` of the request's own.
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ def chat_request(body: ChatRequest) -> p.ChatCompletionRequest:
 
 
 def generate_request(body: GenerateRequest) -> p.ChatCompletionRequest:
-    """The chat request `/api/generate`'s `body` means (with `raw`, only its sampling is read)."""
+    """The chat request `/api/generate`'s `body` means (with `raw` or a `suffix`, only its sampling is read)."""
     _refuse_images(body.images, "images")
-    if body.suffix:
-        raise InvalidRequestError("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix")
+    if body.suffix and body.system:
+        log.info("ignoring `system` on /api/generate with a suffix: fill-in-the-middle takes only the code")
     if body.template:
         raise InvalidRequestError("'template' is not supported by this server: the chat template comes from the "
                                   "model", param="template")

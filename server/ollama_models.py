@@ -67,6 +67,7 @@ def model_facts(engine, reasoning_parser: str, started: float) -> ModelFacts:
     info = engine.chat_template_info
     reasoning = detect_reasoning(info) if reasoning_parser == "auto" else reasoning_parser
     capabilities = ["completion"] + (["tools"] if info.supports_tools else []) + (
+        ["insert"] if getattr(engine, "fim_format", None) else []) + (  # a stand-in engine (tests) may not say
         ["thinking"] if reasoning not in (None, "none") else [])
     folder = getattr(getattr(engine, "loaded", None), "folder", None)
     return ModelFacts(family=info.model_type, quantization=_expert_dtype(engine),

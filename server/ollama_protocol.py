@@ -2,8 +2,8 @@
 `/api/version`), in Ollama's shapes (docs/api.md of ollama/ollama).
 
 Requests are read as OpenAI's are (`OpenAIBaseModel`: unknown fields logged and ignored, strict
-types). What this server cannot take (images, `suffix`) parses here and is refused, by name, in
-server/ollama_messages.py, which translates a request to chat.
+types). What this server cannot take (images, a request's `template`) parses here and is refused, by name,
+in server/ollama_messages.py, which translates a request to chat.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class ChatRequest(GeneratingRequest):
 class GenerateRequest(GeneratingRequest):
     prompt: str | None = ""
     system: str | None = None
-    suffix: str | None = None  # refused: no fill-in-the-middle
+    suffix: str | None = None  # fill-in-the-middle: `prompt` is the code before the cursor, this the code after
     images: list[str] | None = None  # refused
     raw: bool | None = False
     template: str | None = None  # refused: the template comes from the model

@@ -460,16 +460,17 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
     logprobs: int | None = None
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: `prompt` is the code before the cursor, this the code after
     best_of: int | None = None
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [
+            ("suffix", self.suffix is not None and self.text_prompt() is None,
+             "a suffix (fill-in-the-middle) takes one prompt, as text: the code before the cursor"),
             ("prompt", isinstance(self.prompt, list) and len(self.prompt) > 0
              and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > 1,
              "one prompt per request"),
             ("echo", bool(self.echo), "echo is not supported"),
-            ("suffix", self.suffix is not None, "suffix (insertion) is not supported"),
             ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
         ]
 
@@ -478,6 +479,13 @@ class CompletionRequest(SamplingRequest):
 
     def _request_param(self, param: str | None) -> str | None:
         return "logprobs" if param == "top_logprobs" else param
+
+    def text_prompt(self) -> str | None:
+        """The prompt when it is one text (alone or in a one-element batch), else None."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a one-element batch is unwrapped."""

@@ -123,6 +123,14 @@ def with_tool_warning(response: Response, plan: ChatPlan, request_id: str, other
     return response
 
 
+async def fill_in_the_middle(engine, prefix: str, suffix: str,
+                             params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    """The fill-in-the-middle prompt for the code around the cursor, and `params` that also end at the format's
+    tokens (they never belong in a middle); a model without FIM tokens: a 400 naming `suffix`."""
+    prompt = await run_in_threadpool(engine.fim_prompt, prefix, suffix)
+    return prompt, replace(params, stop_token_ids=engine.fim_stop_ids)
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
     _accept(body)
@@ -141,7 +149,10 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params(engine.sampling_defaults)
     prompt = body.single_prompt()
-    prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
+    if body.suffix is not None:  # a text prompt: the request's checks made sure
+        prompt_ids, params = await fill_in_the_middle(engine, prompt, body.suffix, params)
+    else:
+        prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
     fmt = CompletionFormat(model_name(engine, body.model), raw.app.state.fingerprint,
                            want_logprobs=body.logprobs is not None)
     request = GenerationRequest(fmt.id, prompt_ids, params)
@@ -288,11 +299,15 @@ async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Respons
     engine = ready_engine(raw)
     served_name(engine, body.model)  # else a 404
     chat = ollama_messages.generate_request(body)
-    if not body.prompt:  # nothing to answer: a client loading the model
+    if not body.prompt and not body.suffix:  # nothing to answer: a client loading the model
         return _loaded(OllamaGenerateFormat(body.model, started), chat, engine, body.unloads)
-    if body.raw:  # the prompt as it is: no template, so no tool calls or thinking to read
+    if body.suffix or body.raw:  # no template, so no tool calls or thinking to read
         params = with_response_format(chat.to_sampling_params(engine.sampling_defaults), chat.response_format)
-        plan = ChatPlan(await run_in_threadpool(engine.encode, body.prompt), params, ToolPlan(), ReasoningPlan())
+        if body.suffix:  # insertion, also with `raw`: the prompt is the code before the cursor
+            prompt, params = await fill_in_the_middle(engine, body.prompt or "", body.suffix, params)
+        else:  # the prompt as it is
+            prompt = await run_in_threadpool(engine.encode, body.prompt)
+        plan = ChatPlan(prompt, params, ToolPlan(), ReasoningPlan())
     else:
         plan = await plan_chat(chat, raw, engine)
     fmt = OllamaGenerateFormat(body.model, started, plan.tools, plan.reasoning)

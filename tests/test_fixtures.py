@@ -25,7 +25,7 @@ TEXT = "Grüße, 東京 🙂 — naïve café\n  x = 42"
 PROMPT = [5, 17, 99, 1000, 3, 42, 7]
 EOS = {"mixtral": ("</s>", 2), "qwen": ("<|im_end|>", 151645), "deepseek": ("<｜end▁of▁sentence｜>", 1),
        "mistral_v3": ("</s>", 2), "harmony": ("<|return|>", 151651), "glm45": ("<|user|>", 151649),
-       "qwen3_thinking": ("<|im_end|>", 151645)}
+       "qwen3_thinking": ("<|im_end|>", 151645), "qwen_coder": ("<|im_end|>", 151645)}
 # the harmony and glm45 kinds are the Qwen vocabulary plus those families' special tokens; their chat
 # templates come with the tool-calling tests (tests/fixtures/tool_templates.py, tests/test_forced_calls.py)
 GENERATION_PROMPT = {"mixtral": "[/INST]", "qwen": "<|im_start|>assistant\n", "deepseek": "<｜Assistant｜>",

@@ -359,6 +359,8 @@ ERRORS = [
      "prompt"),
     ("batched-prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None, "prompt"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, None, "echo"),
+    ("suffix-no-fim-tokens", "/v1/completions", {"prompt": "def f(", "suffix": "):"}, 400, None, "suffix"),
+    ("suffix-token-prompt", "/v1/completions", {"prompt": [1, 2], "suffix": ""}, 400, None, "suffix"),
     # every field's type and range is checked before the engine sees it (these were 500s or nonsense)
     *[(f"surrogate-{name}", path, body, 400, None, param) for name, path, body, param in [
         ("content", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 there"}]},

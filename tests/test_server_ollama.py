@@ -364,7 +364,7 @@ def test_past_the_drain_a_stream_ends_with_an_error_line(checkpoint):
     ("/api/show", {"model": "nope:7b"}, 404, "model 'nope:7b' not found"),
     ("/api/chat", {"model": MODEL, "messages": [{**HELLO[0], "images": ["aGk="]}]}, 400, "messages[0].images"),
     ("/api/generate", {"model": MODEL, "prompt": "hi", "images": ["aGk="]}, 400, "images"),
-    ("/api/generate", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("/api/generate", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "no fill-in-the-middle tokens"),
     ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"temperature": "hot"}}, 400, "options.temperature"),
     ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"top_p": 5}}, 400, "options.top_p"),
     ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"num_predict": 0}}, 400, "options.num_predict"),
