@@ -1,13 +1,17 @@
 """A multi-turn chat with and without reusing the last turn's KV cache (`--prefix-cache`).
 
     python -m bench.prefix_reuse [--conversations 3] [--turns 4] [--tokens 48] [--cache-experts N]
+        [--title-task] [--max-model-len N] [--arms on,off]
 
 Each conversation is run twice on one demo-model engine, reuse on and off alternated, with
 greedy answers: the answers must match, and per turn the time to the first token (the prefill),
 the prompt tokens reused and the expert misses of the prefill are reported (with `--cache-experts`
 below the demo's 240; on CPU the default cache holds them all). `--title-task` puts an
 Open WebUI-like background request (a title for the chat so far) between turns, as the chat UI
-does with its task model, to show that the chat's own entry survives it.
+does with its task model, to show that the chat's own entry survives it. `--arms` picks what is
+compared: `on` (reuse, with the host tier for entries that leave the device's context budget),
+`off` (no reuse), `device-only` (reuse without the host tier: such entries are dropped); with a
+small `--max-model-len` the title request and the chat no longer fit the budget side by side.
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ def conversation(engine: Engine, topic: str, turns: int, tokens: int, title_task
     return results
 
 
+def kept_caches(engine: Engine, arm: str, entries: int, host) -> PrefixCache | None:
+    if arm == "off":
+        return None
+    return PrefixCache(entries, engine.max_model_len, host if arm == "on" else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=3)
@@ -67,36 +77,33 @@ def main() -> None:
     parser.add_argument("--cache-experts", type=int, default=None, help="expert cache size (default: all)")
     parser.add_argument("--title-task", action="store_true")
     parser.add_argument("--entries", type=int, default=4, help="--prefix-cache of the run with reuse")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the context (default: the model's)")
+    parser.add_argument("--arms", default="on,off", help="two of on, off, device-only")
     args = parser.parse_args()
+    arms = args.arms.split(",")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     engine = Engine.load(EngineConfig(device="cpu", expert_cache_experts=args.cache_experts,
-                                      prefix_cache=args.entries))
+                                      prefix_cache=args.entries, max_model_len=args.max_model_len))
     reuse = engine.prefix_cache
-    rows = {"on": [], "off": []}
+    rows = {arm: [] for arm in arms}
     same = True
     for c in range(args.conversations):
         topic = TOPICS[c % len(TOPICS)]
-        for mode in (("on", "off") if c % 2 == 0 else ("off", "on")):  # alternated against machine drift
-            engine.prefix_cache = PrefixCache(args.entries, engine.max_model_len) if mode == "on" else None
-            rows[mode].append(conversation(engine, topic, args.turns, args.tokens, args.title_task))
-        same &= [t["answer"] for t in rows["on"][-1]] == [t["answer"] for t in rows["off"][-1]]
+        for arm in (arms if c % 2 == 0 else arms[::-1]):  # alternated against machine drift
+            engine.prefix_cache = kept_caches(engine, arm, args.entries, reuse.host)
+            rows[arm].append(conversation(engine, topic, args.turns, args.tokens, args.title_task))
+        same &= len({tuple(t["answer"] for t in rows[arm][-1]) for arm in arms}) == 1
     engine.prefix_cache = reuse
     total = engine.runtime.num_layers * engine.runtime.num_experts
     summary = {"same_answers": same, "setup": vars(args) | {"cache_experts": engine.runtime.cache.capacity,
                                                            "total_experts": total}}
     for turn in range(args.turns):
-        on = [conv[turn] for conv in rows["on"]]
-        off = [conv[turn] for conv in rows["off"]]
-        summary[f"turn {turn + 1}"] = {
-            "prompt_tokens": statistics.median(t["prompt_tokens"] for t in on),
-            "cached_tokens": statistics.median(t["cached_tokens"] for t in on),
-            "ttft_ms_off": statistics.median(t["ttft_ms"] for t in off),
-            "ttft_ms_on": statistics.median(t["ttft_ms"] for t in on),
-            "prefill_misses_off": statistics.median(t["prefill_misses"] for t in off),
-            "prefill_misses_on": statistics.median(t["prefill_misses"] for t in on),
-            "decode_misses_off": statistics.median(t["decode_misses"] for t in off),
-            "decode_misses_on": statistics.median(t["decode_misses"] for t in on),
-        }
+        by_arm = {arm: [conv[turn] for conv in rows[arm]] for arm in arms}
+        row = {"prompt_tokens": statistics.median(t["prompt_tokens"] for t in by_arm[arms[0]])}
+        for key in ("cached_tokens", "ttft_ms", "prefill_misses", "decode_misses"):
+            for arm in arms:
+                row[f"{key}_{arm}"] = statistics.median(t[key] for t in by_arm[arm])
+        summary[f"turn {turn + 1}"] = row
     print(json.dumps(summary, indent=2))
 
 
