@@ -15,6 +15,8 @@
    greedy tokens against transformers;
 6. prefix reuse (`--prefix-cache`): a chat's next turn, cut from the kept KV cache on the device, and a
    shared head copied from it, give transformers' greedy tokens;
+   and with a context too small for a chat's entry beside a background request, the entry moves to
+   pinned host memory (`--prefix-cache-host-gb`) and its next turn, copied back, gives them too;
 7. TPOT: `bench.engine_bench tpot --device cuda`.
 Prints one JSON object (also written to --out).
 """
@@ -91,6 +93,31 @@ def check_prefix_reuse(tmp: Path) -> dict:
                 out = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
                                          eos_token_id=None, pad_token_id=0)  # fmt: skip
             results[f"{family}/{name}"] = {"same_tokens": ours == out[0, len(prompt):].tolist(), "cached": cached}
+        engine.close()
+    return results
+
+
+def check_prefix_host_tier(tmp: Path) -> dict:
+    results = {}
+    for family in ("mixtral", "qwen3_moe"):
+        folder = build_checkpoint(family, tmp / f"host-tier-{family}")
+        reference = load_reference(folder).to("cuda")
+        engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", policy="lru",
+                                          expert_cache_experts=2, max_model_len=128))
+        first = list(range(5, 45))
+        answer, _ = _greedy_and_cached(engine, first)
+        _greedy_and_cached(engine, list(range(300, 390)))  # 90 + 12 tokens: the chat's 51 no longer fit beside
+        hosted = [e for e in engine.prefix_cache._entries if e.on_host]
+        pinned = bool(hosted) and all(layer.keys.is_pinned() and layer.values.is_pinned()
+                                      for e in hosted for layer in e.kv.layers)
+        prompt = first + answer + list(range(50, 70))
+        ours, cached = _greedy_and_cached(engine, prompt)
+        with torch.no_grad():
+            x = torch.tensor([prompt], device="cuda")
+            out = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                                     eos_token_id=None, pad_token_id=0)  # fmt: skip
+        results[family] = {"same_tokens": ours == out[0, len(prompt):].tolist(), "cached": cached,
+                           "host_entries_pinned": pinned}
         engine.close()
     return results
 
@@ -188,6 +215,7 @@ def main() -> None:
             "quantized": lambda: check_quantized(tmp),
             "host_executor": lambda: check_host_executor(tmp),
             "prefix_reuse": lambda: check_prefix_reuse(tmp),
+            "prefix_host_tier": lambda: check_prefix_host_tier(tmp),
             "tpot": lambda: run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3)),
         }
         for name, run in sections.items():  # each result kept as it comes: a timeout loses only the rest
