@@ -262,3 +262,53 @@ def test_a_budget_for_a_model_without_a_think_block_is_ignored_with_a_warning():
         assert raw.parse().choices[0].message.content == "ab"
         plain = client.chat.completions.with_raw_response.create(model="scripted", messages=ASK)
         assert WARNING_HEADER not in plain.headers
+
+
+# -- the plan: when a budget holds, and what closes the block ---------------------------------------
+class MarkerEngine:
+    """What `plan_reasoning` asks of the engine, with `<think>` = 7, `</think>` = 8, "\\n" = 1, "\\n\\n" = 2."""
+
+    def __init__(self, source: str = "<think></think>", markers: bool = True) -> None:
+        from engine.api import ChatTemplateInfo
+
+        self.chat_template_info = ChatTemplateInfo(False, source, "qwen3_moe")
+        added = {7: type("T", (), {"content": "<think>"}), 8: type("T", (), {"content": "</think>"})}
+        self.tokenizer = type("Tokenizer", (), {"added_tokens_decoder": added if markers else {}})()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "<think>" if ids == [7] else "assistant\n<think>\n"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        return [{"\n": 1, "\n\n": 2}[text]]
+
+
+def test_the_plan_carries_the_budget_and_the_end_ids_into_the_sampling():
+    from server.reasoning import plan_reasoning
+
+    plan = plan_reasoning("auto", MarkerEngine(), SamplingParams(), [1], budget=5)
+    params = plan.sampling_params(SamplingParams())
+    assert (params.thinking_budget, params.thinking_end_ids, params.thinking_open, params.thinking_close,
+            params.thinking_open_at_start) == (5, (1, 8, 2), 7, 8, True)
+    gated = plan_reasoning("auto", MarkerEngine(), SamplingParams(grammar='start: "x"'), [1], budget=5)
+    assert gated.thinking_end_ids == (1, 8)  # the grammar decides what follows `</think>`
+    assert plan_reasoning("auto", MarkerEngine(), SamplingParams(), [1]).sampling_params(
+        SamplingParams()).thinking_budget is None
+
+
+@pytest.mark.parametrize("engine, parser", [(MarkerEngine(), "harmony"), (MarkerEngine(""), "auto"),
+                                            (MarkerEngine(markers=False), "auto"), (MarkerEngine(), "none")])
+def test_a_budget_is_ignored_and_said_so_without_a_think_block_of_single_tokens(engine, parser):
+    from server.reasoning import plan_reasoning
+
+    plan = plan_reasoning(parser, engine, SamplingParams(), [1], budget=5)
+    assert plan.budget_ignored and plan.sampling_params(SamplingParams()).thinking_budget is None
+    assert not plan_reasoning(parser, engine, SamplingParams(), [1]).budget_ignored
+
+
+def test_the_server_budget_is_minus_1_for_unlimited_or_at_least_0():
+    from server.config import ServerConfig
+
+    assert ServerConfig().reasoning_budget == -1 and ServerConfig(reasoning_budget=0).reasoning_budget == 0
+    with pytest.raises(ValueError, match="reasoning-budget"):
+        ServerConfig(reasoning_budget=-2)
