@@ -60,8 +60,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits` [V] of the last position → the chosen token id."""
-        if self.thinking is not None and self.thinking.forced_token() is not None:
-            return self.thinking.forced_token()
+        if self.thinking is not None and (forced := self.thinking.forced_token()) is not None:
+            return forced
         scores = self._processed(logits[: self.vocab_size].float()).clamp(-FLOAT_MAX, FLOAT_MAX)  # no inf
         if self.params.greedy:
             return int(torch.argmax(scores))

@@ -6,7 +6,8 @@ pipeline (`plan_chat`: tools, reasoning, the model's template) as `/v1/chat/comp
   its `tool_calls` and its `thinking` its `reasoning_content` (`redacted_thinking` is dropped).
 - `tool_choice` auto/any/tool/none is chat's auto/required/named/none; `disable_parallel_tool_use`
   is `parallel_tool_calls: false`; `thinking` enabled (or adaptive)/disabled is the template's
-  `enable_thinking`, and an enabled one's `budget_tokens` chat's `thinking_token_budget`; `output_config` is chat's `response_format` (a JSON schema) and `reasoning_effort`.
+  `enable_thinking`, and an enabled one's `budget_tokens` chat's `thinking_token_budget`; `output_config`
+  is chat's `response_format` (a JSON schema) and `reasoning_effort`.
 - Refused with a 400 that names them: images, documents and other blocks that are not text, Anthropic's
   server tools (`web_search_...`), and a final assistant turn to continue (prefill).
 """

@@ -62,7 +62,8 @@ class ServerConfig:
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool-call-parser must be one of {', '.join(PARSER_NAMES)}, not {self.tool_call_parser!r}")
         if self.reasoning_budget < -1:
-            raise ValueError(f"reasoning-budget must be -1 (unlimited), 0 (no thinking) or more, not {self.reasoning_budget}")
+            raise ValueError(f"reasoning-budget must be -1 (unlimited), 0 (no thinking) or more, "
+                             f"not {self.reasoning_budget}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"not {self.reasoning_parser!r}")

@@ -9,7 +9,9 @@ Two formats:
   `analysis` channel is reasoning; `final` and preambles are the answer; a message to a function is
   a tool call, passed on whole to the tool-call parser (`server.tool_parsers.harmony`).
 
-`OutputReader` chains the reasoning reader and the tool-call reader of one response.
+`OutputReader` chains the reasoning reader and the tool-call reader of one response. `plan_reasoning`
+also turns a thinking budget into the engine's sampling fields: the engine closes a `<think>` block
+that runs past it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MESSAGE = "<|message|>"
 HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
 PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
+BUDGET_IGNORED = ("the thinking token budget was ignored: this model does not think in a <think>...</think> "
+                  "block whose markers are single tokens")
 _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.")
 _HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
@@ -323,6 +327,3 @@ def thinking_end_ids(engine, close: int, gated: bool) -> tuple[int, ...]:
     after = [] if gated else engine.encode("\n\n", add_special_tokens=False)
     return (*engine.encode("\n", add_special_tokens=False), close, *after)
 
-
-BUDGET_IGNORED = ("the thinking token budget was ignored: this model does not think in a <think>...</think> "
-                  "block whose markers are single tokens")
