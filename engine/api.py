@@ -80,6 +80,12 @@ class SamplingParams:
     grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
     grammar_after: int | None = None  # ... or the completion after this token (a thinking model's `</think>`)
     grammar_may_open: int | None = None  # with grammar_after: a first token (`<think>`) that defers the grammar
+    # a thinking budget: tokens the model may write inside its `<think>` block before the block is closed for it
+    thinking_budget: int | None = None  # None: no limit
+    thinking_end_ids: tuple[int, ...] = ()  # written once it is spent ("\n</think>\n\n"), `</think>` among them
+    thinking_close: int | None = None  # `</think>`: the model closing the block itself ends the counting
+    thinking_open: int | None = None  # `<think>`: the model opening the block starts the counting
+    thinking_open_at_start: bool = False  # the prompt opened the block: the counting starts at once
 
     def __post_init__(self) -> None:
         checks = [
@@ -97,6 +103,9 @@ class SamplingParams:
             (len(self.stop) <= MAX_STOP_SEQUENCES, "stop", f"may hold at most {MAX_STOP_SEQUENCES} sequences"),
             (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
              f"sequences may be at most {MAX_STOP_CHARS} characters long"),
+            (self.thinking_budget is None or self.thinking_budget >= 0, "thinking_budget", "must be >= 0"),
+            (self.thinking_budget is None or self.thinking_close in self.thinking_end_ids, "thinking_budget",
+             "needs the token that closes the thinking among the ids written when it is spent"),
             (self.grammar is None or not self.ignore_eos, "ignore_eos",
              "cannot be combined with a grammar: a finished grammar allows only end-of-sequence"),
             (

@@ -210,9 +210,10 @@ class Engine:
         return MissPlanner(self.miss_costs, share=share) if gains else None
 
     # -- prompts -----------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False`: the text's own tokens, without the BOS a prompt starts with."""
         with self._encoder_lock:
-            return self._encoder(text, add_special_tokens=True)["input_ids"]
+            return self._encoder(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
         """The fill-in-the-middle prompt for the code around the cursor (engine/fim.py); a request should also
@@ -280,6 +281,10 @@ class Engine:
             check_grammar(params.grammar)
         if any(t is not None and not 0 <= t < self.vocab_size for t in (params.grammar_after, params.grammar_may_open)):
             raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})", param="grammar")
+        thinking_ids = (*params.thinking_end_ids, params.thinking_close, params.thinking_open)
+        if any(t is not None and not 0 <= t < self.vocab_size for t in thinking_ids):
+            raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})",
+                                      param="thinking_budget")
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))

@@ -5,6 +5,10 @@ transformers) → presence/frequency penalties (output only, as OpenAI defines t
 greedy argmax, or temperature → top-k → top-p → min-p → a draw from a seeded generator.
 Last, a grammar constraint (engine/constraint.py) masks the tokens its grammar does not allow.
 Logprobs are reported from the model's own distribution (before any of this).
+
+A thinking budget (`ThinkingBudget`) overrides all of it: once a `<think>` block has had its tokens,
+the tokens that close it are the next ones, whatever the logits say. They are then observed as
+any chosen token (penalties, grammar), and their logprobs are the model's for them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Sampler:
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [V]
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] prompt or output
         self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.thinking = ThinkingBudget(params) if params.thinking_budget is not None else None
         self.bias = None
         if params.logit_bias:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -46,6 +51,8 @@ class Sampler:
             )
 
     def observe(self, token_id: int) -> None:
+        if self.thinking is not None:
+            self.thinking.observe(token_id)
         self.output_counts[token_id] += 1
         self.seen[token_id] = True
         if self.constraint is not None:
@@ -53,6 +60,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits` [V] of the last position → the chosen token id."""
+        if self.thinking is not None and (forced := self.thinking.forced_token()) is not None:
+            return forced
         scores = self._processed(logits[: self.vocab_size].float()).clamp(-FLOAT_MAX, FLOAT_MAX)  # no inf
         if self.params.greedy:
             return int(torch.argmax(scores))
@@ -94,6 +103,46 @@ class Sampler:
             probs = torch.softmax(scores, dim=-1)
             scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         return scores
+
+
+class ThinkingBudget:
+    """Counts the tokens the model writes inside its `<think>` block; once `thinking_budget` of them are
+    written without the model closing the block, `forced_token` is each of `thinking_end_ids` in turn.
+
+    States: "before" the block opens (the model may open it with `<think>`), "inside" it (counting),
+    "closing" it (the end ids being written), "after" it (nothing more to do)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.budget = params.thinking_budget
+        self.open_token, self.close_token = params.thinking_open, params.thinking_close
+        self.end_ids = params.thinking_end_ids
+        self.written = 0  # inside: tokens counted; closing: end ids written
+        self.state = "before"
+        if params.thinking_open_at_start:
+            self._enter_block()
+
+    def forced_token(self) -> int | None:
+        """The token the next step must be, else None (the sampler chooses)."""
+        return self.end_ids[self.written] if self.state == "closing" else None
+
+    def observe(self, token_id: int) -> None:
+        if self.state == "before":
+            if token_id == self.open_token:
+                self._enter_block()
+        elif self.state == "inside":
+            if token_id == self.close_token:
+                self.state = "after"
+                return
+            self.written += 1
+            if self.written >= self.budget:
+                self.state, self.written = "closing", 0
+        elif self.state == "closing":
+            self.written += 1
+            if self.written == len(self.end_ids):
+                self.state = "after"
+
+    def _enter_block(self) -> None:
+        self.state, self.written = ("closing" if self.budget == 0 else "inside"), 0
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int, decode) -> TokenLogprob:

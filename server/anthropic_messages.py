@@ -6,7 +6,8 @@ pipeline (`plan_chat`: tools, reasoning, the model's template) as `/v1/chat/comp
   its `tool_calls` and its `thinking` its `reasoning_content` (`redacted_thinking` is dropped).
 - `tool_choice` auto/any/tool/none is chat's auto/required/named/none; `disable_parallel_tool_use`
   is `parallel_tool_calls: false`; `thinking` enabled (or adaptive)/disabled is the template's
-  `enable_thinking`; `output_config` is chat's `response_format` (a JSON schema) and `reasoning_effort`.
+  `enable_thinking`, and an enabled one's `budget_tokens` chat's `thinking_token_budget`; `output_config`
+  is chat's `response_format` (a JSON schema) and `reasoning_effort`.
 - Refused with a 400 that names them: images, documents and other blocks that are not text, Anthropic's
   server tools (`web_search_...`), and a final assistant turn to continue (prefill).
 """
@@ -55,6 +56,7 @@ def to_chat_request(body: CountTokensRequest) -> p.ChatCompletionRequest:
         "messages": _system(body.system) + [m for i, turn in enumerate(body.messages) for m in _turn(turn, i)],
         "tools": _tools(body.tools),
         "chat_template_kwargs": _thinking(body),
+        "thinking_token_budget": _thinking_budget(body),
         **_tool_choice(body.tool_choice),
         **_output_config(body.output_config),
     }
@@ -141,8 +143,20 @@ def _tool_choice(choice: ToolChoice | None) -> dict:
 
 
 def _thinking(body: CountTokensRequest) -> dict | None:
-    """The template's `enable_thinking` (Qwen3 and others read it); `budget_tokens` is not enforced."""
+    """The template's `enable_thinking` (Qwen3 and others read it)."""
     return None if body.thinking is None else {"enable_thinking": body.thinking.type != "disabled"}
+
+
+def _thinking_budget(body: CountTokensRequest) -> int | None:
+    """An enabled thinking's `budget_tokens`, less than `max_tokens` as Anthropic requires (the thinking is
+    part of the answer's tokens)."""
+    if body.thinking is None or body.thinking.type != "enabled" or body.thinking.budget_tokens is None:
+        return None
+    budget = body.thinking.budget_tokens
+    if isinstance(body, MessagesRequest) and budget >= body.max_tokens:
+        raise InvalidRequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                  f"({body.max_tokens})", param="thinking.budget_tokens")
+    return budget
 
 
 def _output_config(config: OutputConfig | None) -> dict:

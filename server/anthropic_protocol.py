@@ -90,7 +90,9 @@ class ToolChoice(OpenAIBaseModel):
 
 class ThinkingConfig(OpenAIBaseModel):
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = None  # accepted, not enforced: the model thinks as long as it does
+    # with "enabled": the thinking is closed after this many tokens. Anthropic's minimum of 1024 is not kept:
+    # a local model thinks a few tokens per second, so smaller budgets are worth having
+    budget_tokens: int | None = Field(default=None, ge=1)
 
 
 class OutputFormat(OpenAIBaseModel):

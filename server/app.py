@@ -156,6 +156,8 @@ def create_app(
     app.state.fingerprint = SYSTEM_FINGERPRINT
     app.state.tool_call_parser = server_config.tool_call_parser
     app.state.reasoning_parser = server_config.reasoning_parser
+    budget = server_config.reasoning_budget
+    app.state.reasoning_budget = None if budget < 0 else budget  # None: unlimited
     app.state.started = int(time.time())
     app.state.responses = ResponseStore()  # stored responses, for previous_response_id (in memory)
     metrics = ServerMetrics(

@@ -40,6 +40,7 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting or running; beyond it, 503
     tool_call_parser: str = "auto"  # auto: from the chat template, else the model type
     reasoning_parser: str = "auto"  # auto: from the chat template, else the model type
+    reasoning_budget: int = -1  # thinking tokens per answer, then the block is closed; -1: unlimited
     max_request_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are read whole
     drain_timeout: float = 20.0  # on shutdown, seconds running requests get to finish before they are aborted
 
@@ -60,6 +61,9 @@ class ServerConfig:
             _check_origin_patterns(self.allowed_origins)
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool-call-parser must be one of {', '.join(PARSER_NAMES)}, not {self.tool_call_parser!r}")
+        if self.reasoning_budget < -1:
+            raise ValueError(f"reasoning-budget must be -1 (unlimited), 0 (no thinking) or more, "
+                             f"not {self.reasoning_budget}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"not {self.reasoning_parser!r}")
@@ -199,6 +203,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--reasoning-parser", ServerConfig, str, "how a reasoning model's thinking is read out of its output "
          "into `reasoning_content`: think (<think>...</think>), harmony (GPT-OSS channels), none (left in the "
          "content); auto picks by the chat template, else the model type", choices=REASONING_PARSERS),
+    Flag("--reasoning-budget", ServerConfig, int, "the most tokens a thinking model may write in its "
+         "<think>...</think> block; then the server closes the block and the model answers. -1: unlimited, "
+         "0: no thinking. A request's thinking_token_budget (chat) or thinking.budget_tokens (Anthropic) wins; "
+         "ignored for models without such a block (GPT-OSS)", "N"),
 )
 FLAGS_BY_FIELD = {flag.field: flag for flag in FLAGS}
 # one size in two units: `--expert-cache-experts 40` overrides a preset's `expert_cache_gb: 18`

@@ -322,6 +322,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # a template variable (GPT-OSS)
+    thinking_token_budget: int | None = Field(default=None, ge=0)  # vLLM's: tokens of thinking, then it is closed
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The template's extra variables: `chat_template_kwargs`, and `reasoning_effort` unless they set it."""

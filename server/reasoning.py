@@ -9,7 +9,9 @@ Two formats:
   `analysis` channel is reasoning; `final` and preambles are the answer; a message to a function is
   a tool call, passed on whole to the tool-call parser (`server.tool_parsers.harmony`).
 
-`OutputReader` chains the reasoning reader and the tool-call reader of one response.
+`OutputReader` chains the reasoning reader and the tool-call reader of one response. `plan_reasoning`
+also turns a thinking budget into the engine's sampling fields: the engine closes a `<think>` block
+that runs past it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MESSAGE = "<|message|>"
 HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
 PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
+BUDGET_IGNORED = ("the thinking token budget was ignored: this model does not think in a <think>...</think> "
+                  "block whose markers are single tokens")
 _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.")
 _HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
@@ -249,6 +253,11 @@ class ReasoningPlan:
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
     grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
     grammar_may_open: int | None = None  # a first token (`<think>`) that starts thinking instead of the grammar
+    thinking_budget: int | None = None  # think: tokens allowed inside the block before it is closed for the model
+    thinking_end_ids: tuple[int, ...] = ()  # what closes it then: "\n", `</think>` and (without a grammar) "\n\n"
+    thinking_open: int | None = None  # `<think>`, with a budget
+    thinking_close: int | None = None  # `</think>`, with a budget
+    budget_ignored: bool = False  # a budget was asked for, and this output has no `<think>` block to cap
 
     def stream(self) -> ThinkStream | HarmonyStream | None:
         if self.format == "think":
@@ -265,23 +274,31 @@ class ReasoningPlan:
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         if self.needs_special_tokens:
             params = replace(params, skip_special_tokens=False)
+        if self.thinking_budget is not None:
+            params = replace(params, thinking_budget=self.thinking_budget, thinking_end_ids=self.thinking_end_ids,
+                             thinking_open=self.thinking_open, thinking_close=self.thinking_close,
+                             thinking_open_at_start=self.opened_in_prompt)
         if self.grammar_after is None:
             return params
         return replace(params, grammar_after=self.grammar_after, grammar_may_open=self.grammar_may_open)
 
 
-def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: list[int]) -> ReasoningPlan:
-    """`parser_name`: from `REASONING_PARSERS`; `prompt`: the rendered prompt's token ids.
+def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: list[int],
+                   budget: int | None = None) -> ReasoningPlan:
+    """`parser_name`: from `REASONING_PARSERS`; `prompt`: the rendered prompt's token ids; `budget`: the
+    thinking tokens allowed (None: no limit).
 
     Under a grammar (JSON output, a forced tool call) a thinking model thinks freely and answers under
     the grammar after its `</think>`: from the start where the template opened the block, else if its
     first token opens one. Where the markers are not single tokens, the grammar holds from the first
-    token and the output is not read for thinking."""
+    token and the output is not read for thinking. A budget holds only for a `<think>` block whose two
+    markers are single tokens: elsewhere the plan says it was ignored."""
+    ignored = budget is not None
     name = detect_reasoning(engine.chat_template_info) if parser_name == "auto" else parser_name
     if name == "harmony":
-        return ReasoningPlan("harmony", needs_special_tokens=True)
+        return ReasoningPlan("harmony", needs_special_tokens=True, budget_ignored=ignored)
     if name != "think":
-        return ReasoningPlan()
+        return ReasoningPlan(budget_ignored=ignored)
     from engine.constraint import added_token_ids  # imports torch: not at `moe-serve --help`
 
     tail = engine.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -290,8 +307,23 @@ def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: lis
     think, close = added.get(THINK_OPEN), added.get(THINK_CLOSE)
     gated = params.grammar is not None
     if gated and (close is None or (think is None and not opened)):
-        return ReasoningPlan()
-    return ReasoningPlan("think", opened_in_prompt=opened,
+        return ReasoningPlan(budget_ignored=ignored)
+    plan = ReasoningPlan("think", opened_in_prompt=opened,
                          needs_special_tokens=think is not None and engine.decode([think]) == "",
                          grammar_after=close if gated else None,
                          grammar_may_open=think if gated and not opened else None)
+    if budget is None:
+        return plan
+    if think is None or close is None:
+        return replace(plan, budget_ignored=True)
+    return replace(plan, thinking_budget=budget, thinking_end_ids=thinking_end_ids(engine, close, gated),
+                   thinking_open=think, thinking_close=close)
+
+
+def thinking_end_ids(engine, close: int, gated: bool) -> tuple[int, ...]:
+    """The tokens that close a thinking block for the model, laid out as a model closes it itself: `</think>`
+    as its one token (its text would tokenize otherwise). Under a grammar nothing follows it: the grammar
+    decides what the answer starts with."""
+    after = [] if gated else engine.encode("\n\n", add_special_tokens=False)
+    return (*engine.encode("\n", add_special_tokens=False), close, *after)
+

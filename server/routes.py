@@ -25,7 +25,7 @@ from server.ollama_format import ChatFormat as OllamaChatFormat
 from server.ollama_format import GenerateFormat as OllamaGenerateFormat
 from server.ollama_format import OllamaFormat, loaded_reply
 from server.ollama_models import ModelFacts, model_facts, served_name
-from server.reasoning import ReasoningPlan, plan_reasoning
+from server.reasoning import BUDGET_IGNORED, ReasoningPlan, plan_reasoning
 from server.responses_format import ResponsesFormat
 from server.responses_protocol import DeletedResponse, ResponsesRequest
 from server.responses_tools import response_tools
@@ -74,6 +74,7 @@ class ChatPlan:
     params: SamplingParams
     tools: ToolPlan
     reasoning: ReasoningPlan
+    warning: str | None = None  # something the request asked for that could not be done (not about tools)
 
     def params_within(self, max_model_len: int) -> SamplingParams:
         """`params` with `max_tokens` cut to the room the prompt leaves, for APIs whose clients ask for
@@ -109,14 +110,19 @@ async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine, fit: Pr
 
     # the model's own template, never the request's; off the event loop, like all tokenizing
     prompt = await run_in_threadpool(fit, body.messages, render)
-    reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt)
-    return ChatPlan(prompt, reasoning.sampling_params(params), tools, reasoning)
+    asked = body.thinking_token_budget
+    budget = asked if asked is not None else raw.app.state.reasoning_budget
+    reasoning = await run_in_threadpool(plan_reasoning, raw.app.state.reasoning_parser, engine, params, prompt,
+                                        budget)
+    # the server's default is for the models it fits; only a request's own budget is worth a warning
+    warning = BUDGET_IGNORED if reasoning.budget_ignored and asked is not None else None
+    return ChatPlan(prompt, reasoning.sampling_params(params), tools, reasoning, warning)
 
 
 def with_tool_warning(response: Response, plan: ChatPlan, request_id: str, other: str | None = None) -> Response:
-    """Tools the model could not be offered or read back (`other`: the API's own reason): said in a header
-    and the log."""
-    warning = "; ".join(w for w in (other, plan.tools.warning) if w)
+    """Tools the model could not be offered or read back (`other`: the API's own reason), and what else of the
+    request was ignored: said in a header and the log."""
+    warning = "; ".join(w for w in (other, plan.tools.warning, plan.warning) if w)
     if warning:
         log.warning("request %s: %s", request_id, warning)
         response.headers[WARNING_HEADER] = warning

@@ -347,7 +347,7 @@ THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\nIt is sunny."
 def test_thinking_comes_back_as_a_thinking_block_first(recorded):
     engine, client, url = recorded
     engine.output = THOUGHT
-    body = {"model": "recorded", "messages": ASK, "max_tokens": 100,
+    body = {"model": "recorded", "messages": ASK, "max_tokens": 2048,  # more than the budget, as Anthropic requires
             "thinking": {"type": "enabled", "budget_tokens": 1024}}
     message = client.messages.create(**body)
     assert engine.template_kwargs == {"enable_thinking": True}
