@@ -12,7 +12,16 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+fail() { echo "install.sh: $*" >&2; exit 1; }
+command -v "$PYTHON" > /dev/null || fail "no $PYTHON found: install Python 3.10 or newer (or set PYTHON=/path/to/python3)"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || fail "$("$PYTHON" --version 2>&1) is too old: moe-serve needs Python 3.10 or newer (set PYTHON=python3.12, say)"
+# a venv an earlier run left without pip (the venv module lacked ensurepip) is made again
+if ! "$VENV/bin/python" -m pip --version > /dev/null 2>&1; then
+  [ ! -e "$VENV" ] || [ -f "$VENV/pyvenv.cfg" ] || fail "$VENV exists and is not a virtual environment (set VENV=...)"
+  "$PYTHON" -m venv --clear "$VENV" || fail "could not create a virtual environment with $PYTHON -m venv: \
+on Debian or Ubuntu install the venv module first (sudo apt install python3-venv), then run this again"
+fi
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 pip install -q "$TORCH_SPEC"  # first, so nothing below pulls a different torch build
