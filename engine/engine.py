@@ -33,6 +33,7 @@ from engine.api import (
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from engine.chat_messages import prepare_messages, template_info
@@ -48,6 +49,7 @@ from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
 from engine.prefix_cache import HostTier, PrefixCache
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 from engine.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -280,7 +282,7 @@ class Engine:
             check_grammar(params.grammar)
         if any(t is not None and not 0 <= t < self.vocab_size for t in (params.grammar_after, params.grammar_may_open)):
             raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})", param="grammar")
-        wanted = len(prompt) + (params.max_tokens or 1)
+        wanted = len(prompt) + (1 if params.max_tokens is None else params.max_tokens)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
 
@@ -291,7 +293,7 @@ class Engine:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
         room = self.max_model_len - len(prompt)
-        max_tokens = params.max_tokens or min(self.max_new_tokens or room, room)
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.max_new_tokens or room, room)
         constraint = None
         if params.grammar is not None:
             constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device,
@@ -304,7 +306,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 # None: the model makes its family's own cache (sliding window, linear attention, ...)
-                kv, cached = self.prefix_cache.take(prompt) if self.prefix_cache is not None else (None, 0)
+                kv, cached = self._reused_prefix(prompt, params)
                 tokens = list(prompt)  # what the KV cache holds once `input_ids` are fed: the prompt, the answer
                 input_ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=self.device)  # [1, T]
                 self.prompt_tokens += len(prompt)
@@ -318,17 +320,24 @@ class Engine:
                         return
                     if self.prefix_cache is not None:
                         self.prefix_cache.make_room(len(tokens))
-                    logits, kv = self._forward(input_ids, kv)  # [V]
+                    scored = None
+                    if times.tokens == 0 and params.prompt_logprobs is not None:
+                        logits, kv, scored = self._prefill_scoring_prompt(prompt, input_ids, params.prompt_logprobs)
+                        if max_tokens == 0:
+                            self._keep_prefix(tokens, kv)
+                            yield GenerationEvent("", finish_reason="length", usage=Usage(len(prompt), 0, cached),
+                                                  prompt_logprobs=scored)
+                            return
+                    else:
+                        logits, kv = self._forward(input_ids, kv)  # [V]
                     self.runtime.phase = "decode"
                     token = sampler.sample(logits)
                     sampler.observe(token)
                     times.tokens += 1
                     times.first_token = times.first_token or time.perf_counter()
-                    event = self._step_event(token, logits, params, detokenizer, stops)
+                    event = replace(self._step_event(token, logits, params, detokenizer, stops), prompt_logprobs=scored)
                     if event.finish_reason is None and times.tokens >= max_tokens:
-                        event = GenerationEvent(
-                            event.text + stops.flush(), event.token_ids, event.logprobs, "length"
-                        )
+                        event = replace(event, text=event.text + stops.flush(), finish_reason="length")
                     if event.finish_reason is not None:
                         times.end = time.perf_counter()
                         self._keep_prefix(tokens, kv)
@@ -367,9 +376,27 @@ class Engine:
         if self.prefix_cache is not None and kv is not None:
             self.prefix_cache.put(tokens[: kv.get_seq_length()], kv)
 
+    def _reused_prefix(self, prompt: list[int], params: SamplingParams) -> tuple[Cache | None, int]:
+        """A kept KV cache of the prompt's start and its length; none for a request that scores its prompt
+        (reused positions would have no logits)."""
+        if self.prefix_cache is None or params.prompt_logprobs is not None:
+            return None, 0
+        return self.prefix_cache.take(prompt)
+
     def _forward(self, input_ids: torch.Tensor, kv: Cache | None) -> tuple[torch.Tensor, Cache]:
         out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], out.cache
+
+    def _prefill_scoring_prompt(
+        self, prompt: list[int], input_ids: torch.Tensor, top: int
+    ) -> tuple[torch.Tensor, Cache, tuple[TokenLogprob | None, ...]]:
+        """The prefill of the whole prompt (no kept prefix) with logits at every position: the last
+        position's logits [V], the KV cache, and the prompt tokens' logprobs. The [T, V] logits (in the
+        model's dtype) live only within this call."""
+        out = self.model(input_ids=input_ids, cache=None, use_cache=True, logits_to_keep=0)
+        logits = out.logits[0]  # [T, V']
+        scored = prompt_logprobs(logits[:-1, : self.vocab_size], prompt, top, self._token_text)
+        return logits[-1].clone(), out.cache, scored  # a copy: the [T, V'] logits can go
 
     def _step_event(self, token, logits, params: SamplingParams, detokenizer, stops) -> GenerationEvent:
         logprobs = ()
