@@ -151,6 +151,15 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class EchoedPrompt:
+    """A prompt as a completion's `echo` shows it."""
+
+    text: str  # its token ids decoded, special tokens skipped
+    tokens: tuple[str, ...]  # each token's text, as logprobs name tokens
+    offsets: tuple[int, ...]  # where each token's text starts in `text` (a special token's: where it stood)
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int

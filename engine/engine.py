@@ -29,6 +29,7 @@ from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
     DeviceMemoryError,
+    EchoedPrompt,
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
@@ -229,6 +230,15 @@ class Engine:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def echoed_prompt(self, ids: list[int]) -> EchoedPrompt:
+        """The prompt's text and its tokens' texts and offsets in it, for a completion that echoes it."""
+        detokenizer = IncrementalDetokenizer(self.decode)
+        offsets, emitted = [], 0
+        for token_id in ids:
+            offsets.append(emitted)
+            emitted += len(detokenizer.push(token_id))
+        return EchoedPrompt(self.decode(ids), tuple(self._token_text(t) for t in ids), tuple(offsets))
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
