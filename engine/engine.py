@@ -303,7 +303,9 @@ class Engine:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
         room = self.max_model_len - len(prompt)
-        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.max_new_tokens or room, room)
+        max_tokens = params.max_tokens  # 0: only the prompt is scored
+        if max_tokens is None:
+            max_tokens = min(self.max_new_tokens or room, room)
         constraint = None
         if params.grammar is not None:
             constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device,
@@ -330,13 +332,14 @@ class Engine:
                         return
                     if self.prefix_cache is not None:
                         self.prefix_cache.make_room(len(tokens))
-                    scored = None
+                    scored = None  # the prompt's logprobs, when asked: on the first event
                     if times.tokens == 0 and params.prompt_logprobs is not None:
-                        logits, kv, scored = self._prefill_scoring_prompt(prompt, input_ids, params.prompt_logprobs)
+                        logits, kv, scored = self._prefill_scoring_prompt(prompt, input_ids,
+                                                                          params.prompt_logprobs)
                         if max_tokens == 0:
                             self._keep_prefix(tokens, kv)
-                            yield GenerationEvent("", finish_reason="length", usage=Usage(len(prompt), 0, cached),
-                                                  prompt_logprobs=scored)
+                            yield GenerationEvent("", finish_reason="length", prompt_logprobs=scored,
+                                                  usage=Usage(len(prompt), 0, cached))
                             return
                     else:
                         logits, kv = self._forward(input_ids, kv)  # [V]
@@ -345,7 +348,8 @@ class Engine:
                     sampler.observe(token)
                     times.tokens += 1
                     times.first_token = times.first_token or time.perf_counter()
-                    event = replace(self._step_event(token, logits, params, detokenizer, stops), prompt_logprobs=scored)
+                    event = self._step_event(token, logits, params, detokenizer, stops)
+                    event = replace(event, prompt_logprobs=scored)
                     if event.finish_reason is None and times.tokens >= max_tokens:
                         event = replace(event, text=event.text + stops.flush(), finish_reason="length")
                     if event.finish_reason is not None:

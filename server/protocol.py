@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -463,7 +463,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
     logprobs: int | None = None
-    echo: bool | None = False  # the response's text starts with the prompt (and its logprobs with the prompt's)
+    echo: bool | None = False  # the text starts with the prompt (and logprobs with the prompt's)
     suffix: str | None = None  # fill-in-the-middle: `prompt` is the code before the cursor, this the code after
     best_of: int | None = None
 
@@ -527,13 +527,14 @@ class CompletionLogprobs(ResponseModel):
         return out
 
     @classmethod
-    def of_prompt(cls, logprobs: tuple[TokenLogprob | None, ...], tokens: list[str],
-                  offsets: list[int]) -> CompletionLogprobs:
+    def of_prompt(cls, logprobs: Sequence[TokenLogprob | None], tokens: Sequence[str],
+                  offsets: Sequence[int]) -> CompletionLogprobs:
         """An echoed prompt's: `tokens` its tokens' texts, `offsets` where each starts in the echoed text;
         the first token (None in `logprobs`: nothing predicts it) has no logprob, as OpenAI sends it."""
         return cls(tokens=list(tokens), text_offset=list(offsets),
                    token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
-                   top_logprobs=[None if lp is None else {t.token: t.logprob for t in lp.top} for lp in logprobs])
+                   top_logprobs=[None if lp is None else {t.token: t.logprob for t in lp.top}
+                                 for lp in logprobs])
 
     def followed_by(self, other: CompletionLogprobs) -> CompletionLogprobs:
         return CompletionLogprobs(tokens=self.tokens + other.tokens,

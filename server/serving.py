@@ -341,7 +341,7 @@ class CompletionFormat(DataEvents):
         """Where the completion's text starts in the choice's text."""
         return len(self.echo.text) if self.echo is not None else 0
 
-    def _prompt_logprobs(self, scored: tuple[TokenLogprob | None, ...]) -> p.CompletionLogprobs:
+    def _echoed_logprobs(self, scored: tuple[TokenLogprob | None, ...]) -> p.CompletionLogprobs:
         return p.CompletionLogprobs.of_prompt(scored, self.echo.tokens, self.echo.offsets)
 
     def opening(self) -> list[BaseModel]:
@@ -352,7 +352,7 @@ class CompletionFormat(DataEvents):
     def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
         chunks: list[BaseModel] = []
         if self.echo is not None and self.want_logprobs and event.prompt_logprobs is not None:
-            chunks.append(self._chunk(self.echo.text, self._prompt_logprobs(event.prompt_logprobs)))
+            chunks.append(self._chunk(self.echo.text, self._echoed_logprobs(event.prompt_logprobs)))
         if event.text or event.logprobs:
             logprobs = (p.CompletionLogprobs.of(list(event.logprobs), self._echoed_length + offset)
                         if self.want_logprobs else None)
@@ -374,12 +374,13 @@ class CompletionFormat(DataEvents):
                                     usage=usage_info(outcomes))
 
     def _whole(self, outcome: Outcome) -> p.CompletionChoice:
-        logprobs = p.CompletionLogprobs.of(outcome.logprobs, self._echoed_length) if self.want_logprobs else None
-        text = outcome.text
+        text, logprobs = outcome.text, None
+        if self.want_logprobs:
+            logprobs = p.CompletionLogprobs.of(outcome.logprobs, self._echoed_length)
         if self.echo is not None:
             text = self.echo.text + text
             if logprobs is not None:
-                logprobs = self._prompt_logprobs(outcome.prompt_logprobs).followed_by(logprobs)
+                logprobs = self._echoed_logprobs(outcome.prompt_logprobs).followed_by(logprobs)
         return p.CompletionChoice(index=self.index, text=text, logprobs=logprobs,
                                   finish_reason=outcome.finish_reason)
 

@@ -697,7 +697,7 @@ def test_a_chat_s_next_turn_reads_the_last_turn_from_the_kept_kv_cache(client, h
     assert metric(http, "moe_prompt_tokens_cached_total") - before == cached
 
 
-# -- echo: the prompt's text and logprobs before the completion's (lm-evaluation-harness's local-completions) --
+# -- echo: the prompt's text and logprobs, then the completion's (lm-eval's local-completions) --
 ECHO_PROMPT = "The capital of France is"
 # float32 on CPU both sides, the same sums in another order (tests/test_engine_prompt_logprobs.py says more)
 ECHO_TOLERANCE = 1e-4
@@ -725,7 +725,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, reference):
     ids = tokenizer(ECHO_PROMPT)["input_ids"]
     response = echo_completion(client, ECHO_PROMPT, logprobs=1, max_tokens=1)
     choice, logprobs = response.choices[0], response.choices[0].logprobs
-    plain = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, temperature=0, logprobs=1, max_tokens=1)
+    plain = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, temperature=0, logprobs=1,
+                                      max_tokens=1)
     assert choice.text == ECHO_PROMPT + plain.choices[0].text
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(ids) + 1
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
@@ -733,7 +734,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, reference):
     assert logprobs.token_logprobs[1:-1] == pytest.approx(
         [expected[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=ECHO_TOLERANCE)
     # the generated token's (its logits computed with the prompt's: rounding apart, the same)
-    assert logprobs.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=ECHO_TOLERANCE)
+    generated = plain.choices[0].logprobs.token_logprobs[0]
+    assert logprobs.token_logprobs[-1] == pytest.approx(generated, abs=ECHO_TOLERANCE)
     assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 1)
 
@@ -747,21 +749,21 @@ def test_text_offsets_point_into_the_echoed_text(client):
     prompt = list(zip(logprobs.tokens, offsets))[:-3]
     # from the second word on (the BOS is not in the text; SentencePiece drops the first word's space)
     assert all(text.startswith(token, offset) for token, offset in prompt[2:])
-    assert offsets[-3] == len(ECHO_PROMPT + " Paris, and")  # the completion's first token: right after the prompt
+    assert offsets[-3] == len(ECHO_PROMPT + " Paris, and")  # the completion's first token: after the prompt
 
 
 def test_token_id_prompt_is_echoed_decoded(client, tokenizer):
     ids = tokenizer(ECHO_PROMPT)["input_ids"]
     by_ids = echo_completion(client, ids, logprobs=1, max_tokens=1)
     by_text = echo_completion(client, ECHO_PROMPT, logprobs=1, max_tokens=1)
-    assert by_ids.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True) + by_text.choices[0].text[
-        len(ECHO_PROMPT):]
+    completion = by_text.choices[0].text[len(ECHO_PROMPT):]
+    assert by_ids.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True) + completion
     assert by_ids.choices[0].logprobs.token_logprobs == by_text.choices[0].logprobs.token_logprobs
 
 
 def test_streamed_echo_sends_the_prompt_first(http):
-    body = {"model": MODEL, "prompt": ECHO_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": ECHO_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
     full = http.post("/v1/completions", json=body).json()["choices"][0]
     chunks = [c["choices"][0] for c in stream_events(http, "/v1/completions", body)[:-1] if c["choices"]]
     assert chunks[0]["text"] == ECHO_PROMPT and chunks[0]["logprobs"]["token_logprobs"][0] is None
