@@ -74,6 +74,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token plus that many
+    # None: off; 0..20: each prompt token's logprob given those before it, plus that many alternatives
+    # (the whole prompt is computed: no kept prefix is reused). Allows max_tokens 0: only the prompt is scored
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the completion as end-of-sequence does (FIM's)
     skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
@@ -89,7 +92,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.max_tokens is None or self.max_tokens >= 1 or self._scores_prompt_only, "max_tokens",
+             "must be at least 1"),
             (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
@@ -100,6 +104,8 @@ class SamplingParams:
             (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed",
              f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]})"),
             (self.top_logprobs is None or 0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
             (len(self.stop) <= MAX_STOP_SEQUENCES, "stop", f"may hold at most {MAX_STOP_SEQUENCES} sequences"),
             (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
              f"sequences may be at most {MAX_STOP_CHARS} characters long"),
@@ -117,6 +123,10 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(f"{param} {message}", param=param)
+
+    @property
+    def _scores_prompt_only(self) -> bool:
+        return self.max_tokens == 0 and self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +165,15 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class EchoedPrompt:
+    """A prompt as a completion's `echo` shows it."""
+
+    text: str  # its token ids decoded, special tokens skipped
+    tokens: tuple[str, ...]  # each token's text, as logprobs name tokens
+    offsets: tuple[int, ...]  # where each token's text starts in `text` (a special token's: where it stood)
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -175,6 +194,8 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the last event
     stop_sequence: str | None = None  # on a "stop" event: the stop string that ended it; None: end of sequence
+    # on the first event when SamplingParams.prompt_logprobs asked: one per prompt token, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 def supported_families() -> tuple[str, ...]:

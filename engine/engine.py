@@ -29,10 +29,12 @@ from cache.trace import TraceWriter
 from engine.api import (
     ContextLengthError,
     DeviceMemoryError,
+    EchoedPrompt,
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from engine.chat_messages import prepare_messages, template_info
@@ -48,6 +50,7 @@ from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
 from engine.prefix_cache import HostTier, PrefixCache
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 from engine.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -229,6 +232,15 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def echoed_prompt(self, ids: list[int]) -> EchoedPrompt:
+        """The prompt's text and its tokens' texts and offsets in it, for a completion that echoes it."""
+        detokenizer = IncrementalDetokenizer(self.decode)
+        offsets, emitted = [], 0
+        for token_id in ids:
+            offsets.append(emitted)
+            emitted += len(detokenizer.push(token_id))
+        return EchoedPrompt(self.decode(ids), tuple(self._token_text(t) for t in ids), tuple(offsets))
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids; `tools` (OpenAI function definitions) only for a template that takes them;
@@ -285,7 +297,7 @@ class Engine:
         if any(t is not None and not 0 <= t < self.vocab_size for t in thinking_ids):
             raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})",
                                       param="thinking_budget")
-        wanted = len(prompt) + (params.max_tokens or 1)
+        wanted = len(prompt) + (1 if params.max_tokens is None else params.max_tokens)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
 
@@ -296,7 +308,9 @@ class Engine:
         self.validate(request)
         params, prompt = request.params, request.prompt_token_ids
         room = self.max_model_len - len(prompt)
-        max_tokens = params.max_tokens or min(self.max_new_tokens or room, room)
+        max_tokens = params.max_tokens  # 0: only the prompt is scored
+        if max_tokens is None:
+            max_tokens = min(self.max_new_tokens or room, room)
         constraint = None
         if params.grammar is not None:
             constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device,
@@ -309,7 +323,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 # None: the model makes its family's own cache (sliding window, linear attention, ...)
-                kv, cached = self.prefix_cache.take(prompt) if self.prefix_cache is not None else (None, 0)
+                kv, cached = self._reused_prefix(prompt, params)
                 tokens = list(prompt)  # what the KV cache holds once `input_ids` are fed: the prompt, the answer
                 input_ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=self.device)  # [1, T]
                 self.prompt_tokens += len(prompt)
@@ -323,17 +337,27 @@ class Engine:
                         return
                     if self.prefix_cache is not None:
                         self.prefix_cache.make_room(len(tokens))
-                    logits, kv = self._forward(input_ids, kv)  # [V]
+                    scored = None  # the prompt's logprobs, when asked: on the first event
+                    if times.tokens == 0 and params.prompt_logprobs is not None:
+                        logits, kv, scored = self._prefill_scoring_prompt(prompt, input_ids,
+                                                                          params.prompt_logprobs)
+                        if max_tokens == 0:
+                            self._keep_prefix(tokens, kv)
+                            yield GenerationEvent("", finish_reason="length", prompt_logprobs=scored,
+                                                  usage=Usage(len(prompt), 0, cached))
+                            return
+                    else:
+                        logits, kv = self._forward(input_ids, kv)  # [V]
                     self.runtime.phase = "decode"
                     token = sampler.sample(logits)
                     sampler.observe(token)
                     times.tokens += 1
                     times.first_token = times.first_token or time.perf_counter()
                     event = self._step_event(token, logits, params, detokenizer, stops)
+                    if scored is not None:
+                        event = replace(event, prompt_logprobs=scored)
                     if event.finish_reason is None and times.tokens >= max_tokens:
-                        event = GenerationEvent(
-                            event.text + stops.flush(), event.token_ids, event.logprobs, "length"
-                        )
+                        event = replace(event, text=event.text + stops.flush(), finish_reason="length")
                     if event.finish_reason is not None:
                         times.end = time.perf_counter()
                         self._keep_prefix(tokens, kv)
@@ -372,9 +396,27 @@ class Engine:
         if self.prefix_cache is not None and kv is not None:
             self.prefix_cache.put(tokens[: kv.get_seq_length()], kv)
 
+    def _reused_prefix(self, prompt: list[int], params: SamplingParams) -> tuple[Cache | None, int]:
+        """A kept KV cache of the prompt's start and its length; none for a request that scores its prompt
+        (reused positions would have no logits)."""
+        if self.prefix_cache is None or params.prompt_logprobs is not None:
+            return None, 0
+        return self.prefix_cache.take(prompt)
+
     def _forward(self, input_ids: torch.Tensor, kv: Cache | None) -> tuple[torch.Tensor, Cache]:
         out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], out.cache
+
+    def _prefill_scoring_prompt(
+        self, prompt: list[int], input_ids: torch.Tensor, top: int
+    ) -> tuple[torch.Tensor, Cache, tuple[TokenLogprob | None, ...]]:
+        """The prefill of the whole prompt (no kept prefix) with logits at every position: the last
+        position's logits [V], the KV cache, and the prompt tokens' logprobs. The [T, V] logits (in the
+        model's dtype) live only within this call."""
+        out = self.model(input_ids=input_ids, cache=None, use_cache=True, logits_to_keep=0)
+        logits = out.logits[0]  # [T, V']
+        scored = prompt_logprobs(logits[:-1, : self.vocab_size], prompt, top, self._token_text)
+        return logits[-1].clone(), out.cache, scored  # a copy: the [T, V'] logits can go
 
     def _step_event(self, token, logits, params: SamplingParams, detokenizer, stops) -> GenerationEvent:
         logprobs = ()

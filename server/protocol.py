@@ -1,7 +1,7 @@
 """OpenAI wire types (requests, responses, stream chunks, errors), in the shapes OpenAI uses.
 
 Requests ignore fields they do not know (clients send many; each is logged), but fields we
-know and cannot honour (`echo`, `best_of` > 1, ...) are refused with a 400 that names them.
+know and cannot honour (`best_of` > 1, `echo` with a `suffix`, ...) are refused with a 400 that names them.
 `to_sampling_params()` is the only way a request reaches the engine. What `tools` and
 `response_format` mean is decided in server/tools.py and server/structured.py.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -172,6 +172,9 @@ class SamplingRequest(SamplingControls):
     def _top_logprobs(self) -> int | None:
         return None
 
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
     def _request_param(self, param: str | None) -> str | None:
         """The request field that set the SamplingParams field `param` (for error messages)."""
         return param
@@ -204,6 +207,7 @@ class SamplingRequest(SamplingControls):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": _token_bias(self.logit_bias),
             "top_logprobs": self._top_logprobs(),
+            "prompt_logprobs": self._prompt_logprobs(),
             "ignore_eos": self.ignore_eos,
         }
         return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
@@ -460,7 +464,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
     logprobs: int | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the text starts with the prompt (and logprobs with the prompt's)
     suffix: str | None = None  # fill-in-the-middle: `prompt` is the code before the cursor, this the code after
     best_of: int | None = None
 
@@ -471,15 +475,25 @@ class CompletionRequest(SamplingRequest):
             ("prompt", isinstance(self.prompt, list) and len(self.prompt) > 0
              and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > 1,
              "one prompt per request"),
-            ("echo", bool(self.echo), "echo is not supported"),
+            ("echo", bool(self.echo) and self.suffix is not None,
+             "echo cannot be combined with a suffix (fill-in-the-middle)"),
             ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
         ]
 
     def _top_logprobs(self) -> int | None:
         return self.logprobs
 
+    def _prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs are computed for echo with logprobs, and for echo with max_tokens 0 (as
+        vLLM takes it: only the prompt is read, which the engine allows only when it scores the prompt)."""
+        if not self.echo:
+            return None
+        if self.logprobs is None and self.max_tokens == 0:
+            return 0
+        return self.logprobs
+
     def _request_param(self, param: str | None) -> str | None:
-        return "logprobs" if param == "top_logprobs" else param
+        return {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}.get(param, param)
 
     def text_prompt(self) -> str | None:
         """The prompt when it is one text (alone or in a one-element batch), else None."""
@@ -498,8 +512,8 @@ class CompletionRequest(SamplingRequest):
 
 class CompletionLogprobs(ResponseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
     @classmethod
@@ -512,6 +526,22 @@ class CompletionLogprobs(ResponseModel):
             out.text_offset.append(offset)
             offset += len(lp.token)
         return out
+
+    @classmethod
+    def of_prompt(cls, logprobs: Sequence[TokenLogprob | None], tokens: Sequence[str],
+                  offsets: Sequence[int]) -> CompletionLogprobs:
+        """An echoed prompt's: `tokens` its tokens' texts, `offsets` where each starts in the echoed text;
+        the first token (None in `logprobs`: nothing predicts it) has no logprob, as OpenAI sends it."""
+        return cls(tokens=list(tokens), text_offset=list(offsets),
+                   token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
+                   top_logprobs=[None if lp is None else {t.token: t.logprob for t in lp.top}
+                                 for lp in logprobs])
+
+    def followed_by(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(tokens=self.tokens + other.tokens,
+                                  token_logprobs=self.token_logprobs + other.token_logprobs,
+                                  top_logprobs=self.top_logprobs + other.top_logprobs,
+                                  text_offset=self.text_offset + other.text_offset)
 
 
 class CompletionChoice(ResponseModel):

@@ -11,7 +11,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.api import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
+from engine.api import (
+    EchoedPrompt,
+    EngineUnavailableError,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from engine.constraint import added_token_ids
 from server import VERSION, anthropic_messages, ollama_context, ollama_messages, ollama_models, responses
 from server import anthropic_protocol as anthropic
@@ -159,10 +165,17 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
         prompt_ids, params = await fill_in_the_middle(engine, prompt, body.suffix, params)
     else:
         prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
+    echo = await echoed_prompt(engine, prompt, prompt_ids) if body.echo else None
     fmt = CompletionFormat(model_name(engine, body.model), raw.app.state.fingerprint,
-                           want_logprobs=body.logprobs is not None)
+                           want_logprobs=body.logprobs is not None, echo=echo)
     request = GenerationRequest(fmt.id, prompt_ids, params)
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
+
+
+async def echoed_prompt(engine, prompt: str | list[int], prompt_ids: list[int]) -> EchoedPrompt:
+    """The prompt as `echo` shows it: a text prompt as sent, token ids decoded."""
+    echo = await run_in_threadpool(engine.echoed_prompt, prompt_ids)
+    return replace(echo, text=prompt) if isinstance(prompt, str) else echo
 
 
 def _card(raw: Request, engine, name: str) -> p.ModelCard:

@@ -24,6 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from engine.api import (
     ContextLengthError,
+    EchoedPrompt,
     EngineUnavailableError,
     GenerationEvent,
     GenerationRequest,
@@ -135,10 +136,13 @@ class Outcome:
     usage: Usage | None = None
     reasoning: ReasoningTokens | None = None  # where a reasoning parser reads the output
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # where the request asked (echo)
 
     def add(self, event: GenerationEvent) -> None:
         self.text += event.text
         self.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if self.reasoning is not None:
             self.reasoning.add(event.text, len(event.token_ids))
         if event.finish_reason is not None:
@@ -319,6 +323,7 @@ class CompletionFormat(DataEvents):
     id: str = field(default_factory=lambda: p.random_id("cmpl"))
     created: int = field(default_factory=p.now)
     index: int = 0  # the choice this formats
+    echo: EchoedPrompt | None = None  # the prompt each choice's text starts with (`echo`)
 
     def choice(self, index: int) -> CompletionFormat:
         return replace(self, index=index)
@@ -331,12 +336,28 @@ class CompletionFormat(DataEvents):
         return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                           system_fingerprint=self.fingerprint, choices=[choice])
 
+    @property
+    def _echoed_length(self) -> int:
+        """Where the completion's text starts in the choice's text."""
+        return len(self.echo.text) if self.echo is not None else 0
+
+    def _echoed_logprobs(self, scored: tuple[TokenLogprob | None, ...]) -> p.CompletionLogprobs:
+        return p.CompletionLogprobs.of_prompt(scored, self.echo.tokens, self.echo.offsets)
+
     def opening(self) -> list[BaseModel]:
+        if self.echo is not None and not self.want_logprobs:  # with logprobs: once the prompt's are computed
+            return [self._chunk(self.echo.text)]
         return []
 
     def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
-        logprobs = p.CompletionLogprobs.of(list(event.logprobs), offset) if self.want_logprobs else None
-        return [self._chunk(event.text, logprobs)]
+        chunks: list[BaseModel] = []
+        if self.echo is not None and self.want_logprobs and event.prompt_logprobs is not None:
+            chunks.append(self._chunk(self.echo.text, self._echoed_logprobs(event.prompt_logprobs)))
+        if event.text or event.logprobs:
+            logprobs = (p.CompletionLogprobs.of(list(event.logprobs), self._echoed_length + offset)
+                        if self.want_logprobs else None)
+            chunks.append(self._chunk(event.text, logprobs))
+        return chunks
 
     def finish(self, outcome: Outcome) -> list[BaseModel]:
         return [self._chunk("", finish_reason=outcome.finish_reason)]
@@ -353,8 +374,14 @@ class CompletionFormat(DataEvents):
                                     usage=usage_info(outcomes))
 
     def _whole(self, outcome: Outcome) -> p.CompletionChoice:
-        logprobs = p.CompletionLogprobs.of(outcome.logprobs, 0) if self.want_logprobs else None
-        return p.CompletionChoice(index=self.index, text=outcome.text, logprobs=logprobs,
+        text, logprobs = outcome.text, None
+        if self.want_logprobs:
+            logprobs = p.CompletionLogprobs.of(outcome.logprobs, self._echoed_length)
+        if self.echo is not None:
+            text = self.echo.text + text
+            if logprobs is not None:
+                logprobs = self._echoed_logprobs(outcome.prompt_logprobs).followed_by(logprobs)
+        return p.CompletionChoice(index=self.index, text=text, logprobs=logprobs,
                                   finish_reason=outcome.finish_reason)
 
 
@@ -504,7 +531,7 @@ class Serving:
             outcome, offset = choice.outcome(), 0
             async for event in submission:
                 timer.observe(event)
-                if event.text or event.logprobs:
+                if event.text or event.logprobs or event.prompt_logprobs is not None:
                     for chunk in choice.delta(event, offset):
                         yield chunk
                 offset += len(event.text)

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from server.testing import RemoteServer, sse_json
 
@@ -358,7 +359,7 @@ ERRORS = [
     ("prompt-overflow", "/v1/completions", {"prompt": [7] * 600, "max_tokens": 1}, 400, "context_length_exceeded",
      "prompt"),
     ("batched-prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None, "prompt"),
-    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, None, "echo"),
+    ("echo-with-suffix", "/v1/completions", {"prompt": "a", "echo": True, "suffix": "b"}, 400, None, "echo"),
     ("suffix-no-fim-tokens", "/v1/completions", {"prompt": "def f(", "suffix": "):"}, 400, None, "suffix"),
     ("suffix-token-prompt", "/v1/completions", {"prompt": [1, 2], "suffix": ""}, 400, None, "suffix"),
     # every field's type and range is checked before the engine sees it (these were 500s or nonsense)
@@ -694,3 +695,117 @@ def test_a_chat_s_next_turn_reads_the_last_turn_from_the_kept_kv_cache(client, h
     cached = reply.usage.prompt_tokens_details.cached_tokens
     assert answer.usage.prompt_tokens <= cached < reply.usage.prompt_tokens  # the first prompt at least
     assert metric(http, "moe_prompt_tokens_cached_total") - before == cached
+
+
+# -- echo: the prompt's text and logprobs, then the completion's (lm-eval's local-completions) --
+ECHO_PROMPT = "The capital of France is"
+# float32 on CPU both sides, the same sums in another order (tests/test_engine_prompt_logprobs.py says more)
+ECHO_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from tests.fixtures.models import load_reference
+
+    model = load_reference(checkpoint)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        """[T, V]: row i is the distribution of token i + 1."""
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+def echo_completion(client, prompt, **kwargs):
+    return client.completions.create(model=MODEL, prompt=prompt, echo=True, temperature=0, **kwargs)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, reference):
+    ids = tokenizer(ECHO_PROMPT)["input_ids"]
+    response = echo_completion(client, ECHO_PROMPT, logprobs=1, max_tokens=1)
+    choice, logprobs = response.choices[0], response.choices[0].logprobs
+    plain = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, temperature=0, logprobs=1,
+                                      max_tokens=1)
+    assert choice.text == ECHO_PROMPT + plain.choices[0].text
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = reference(ids)
+    assert logprobs.token_logprobs[1:-1] == pytest.approx(
+        [expected[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=ECHO_TOLERANCE)
+    # the generated token's (its logits computed with the prompt's: rounding apart, the same)
+    generated = plain.choices[0].logprobs.token_logprobs[0]
+    assert logprobs.token_logprobs[-1] == pytest.approx(generated, abs=ECHO_TOLERANCE)
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 1)
+
+
+def test_text_offsets_point_into_the_echoed_text(client):
+    response = echo_completion(client, ECHO_PROMPT + " Paris, and", logprobs=0, max_tokens=3,
+                               extra_body={"ignore_eos": True})
+    text, logprobs = response.choices[0].text, response.choices[0].logprobs
+    offsets = logprobs.text_offset
+    assert offsets == sorted(offsets) and len(offsets) == len(logprobs.tokens)
+    prompt = list(zip(logprobs.tokens, offsets))[:-3]
+    # from the second word on (the BOS is not in the text; SentencePiece drops the first word's space)
+    assert all(text.startswith(token, offset) for token, offset in prompt[2:])
+    assert offsets[-3] == len(ECHO_PROMPT + " Paris, and")  # the completion's first token: after the prompt
+
+
+def test_token_id_prompt_is_echoed_decoded(client, tokenizer):
+    ids = tokenizer(ECHO_PROMPT)["input_ids"]
+    by_ids = echo_completion(client, ids, logprobs=1, max_tokens=1)
+    by_text = echo_completion(client, ECHO_PROMPT, logprobs=1, max_tokens=1)
+    completion = by_text.choices[0].text[len(ECHO_PROMPT):]
+    assert by_ids.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True) + completion
+    assert by_ids.choices[0].logprobs.token_logprobs == by_text.choices[0].logprobs.token_logprobs
+
+
+def test_streamed_echo_sends_the_prompt_first(http):
+    body = {"model": MODEL, "prompt": ECHO_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]
+    chunks = [c["choices"][0] for c in stream_events(http, "/v1/completions", body)[:-1] if c["choices"]]
+    assert chunks[0]["text"] == ECHO_PROMPT and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]] == full["logprobs"][key]
+
+
+def test_echo_without_logprobs_is_just_the_text(client, http):
+    response = echo_completion(client, ECHO_PROMPT, max_tokens=3)
+    assert response.choices[0].text.startswith(ECHO_PROMPT) and response.choices[0].logprobs is None
+    body = {"model": MODEL, "prompt": ECHO_PROMPT, "echo": True, "max_tokens": 3, "temperature": 0}
+    chunks = [c["choices"][0] for c in stream_events(http, "/v1/completions", body)[:-1] if c["choices"]]
+    assert chunks[0]["text"] == ECHO_PROMPT and "".join(c["text"] for c in chunks) == response.choices[0].text
+
+
+def test_max_tokens_zero_echoes_only_the_prompt(client, tokenizer):
+    ids = tokenizer(ECHO_PROMPT)["input_ids"]
+    scored = echo_completion(client, ECHO_PROMPT, logprobs=1, max_tokens=0)
+    assert scored.choices[0].text == ECHO_PROMPT and scored.choices[0].finish_reason == "length"
+    assert len(scored.choices[0].logprobs.tokens) == len(ids) and scored.usage.completion_tokens == 0
+    assert echo_completion(client, ECHO_PROMPT, max_tokens=0).choices[0].text == ECHO_PROMPT
+
+
+def test_each_choice_echoes_the_prompt(client):
+    response = echo_completion(client, ECHO_PROMPT, logprobs=1, max_tokens=2, n=2)
+    assert len(response.choices) == 2 and all(c.text.startswith(ECHO_PROMPT) for c in response.choices)
+    assert response.choices[0].logprobs.token_logprobs == response.choices[1].logprobs.token_logprobs
+
+
+def test_log_likelihood_as_lm_eval_computes_it(client, tokenizer, reference):
+    """lm-eval's `local-completions` sends context + continuation as token ids with echo, logprobs=1 and
+    max_tokens=1, and sums `token_logprobs[ctxlen:-1]` (the last entry is the generated token); a
+    continuation is greedy when each of its logprobs is the largest of its `top_logprobs`."""
+    context = tokenizer(ECHO_PROMPT)["input_ids"]
+    continuation = tokenizer(" Paris, of course", add_special_tokens=False)["input_ids"]
+    ids = context + continuation
+    choice = echo_completion(client, [ids], logprobs=1, max_tokens=1).choices[0]
+    token_logprobs = choice.logprobs.token_logprobs[len(context):-1]
+    top_logprobs = choice.logprobs.top_logprobs[len(context):-1]
+    expected = reference(ids)
+    log_likelihood = sum(expected[i - 1, ids[i]].item() for i in range(len(context), len(ids)))
+    assert sum(token_logprobs) == pytest.approx(log_likelihood, abs=ECHO_TOLERANCE * len(continuation))
+    is_greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs))
+    assert is_greedy == all(expected[i - 1].argmax().item() == ids[i] for i in range(len(context), len(ids)))
