@@ -79,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the completion as end-of-sequence does (FIM's)
+    text_continues_prompt: bool = False  # decoded after the prompt's last tokens (completions: a leading space kept)
     skip_special_tokens: bool = True  # False where a tool-call parser reads special tokens ([TOOL_CALLS])
     grammar: str | None = None  # a Lark grammar (llguidance dialect) the whole completion must match
     grammar_after: int | None = None  # ... or the completion after this token (a thinking model's `</think>`)

@@ -65,6 +65,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 WARM_UP_TOKENS = 4
+DETOKENIZER_CONTEXT_TOKENS = 4  # prompt tokens a completion's text is decoded after (one word's worth)
 PREFIX_HOST_DEFAULT_BYTES = 2**30  # kept KV caches in host RAM by default: a long chat's few turns
 
 
@@ -316,7 +317,8 @@ class Engine:
             constraint = GrammarConstraint(self._grammar_tokenizer, params.grammar, self.vocab_size, self.device,
                                            params.grammar_after, params.grammar_may_open)
         sampler = Sampler(params, prompt, self.vocab_size, self.device, constraint)
-        detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens))
+        context = prompt[-DETOKENIZER_CONTEXT_TOKENS:] if params.text_continues_prompt else ()
+        detokenizer = IncrementalDetokenizer(lambda ids: self.decode(ids, params.skip_special_tokens), context)
         stops = StopStringMatcher(params.stop)
         times = self.last_times = StepTimes(start=time.perf_counter())
         self.runtime.begin_request(request.request_id)

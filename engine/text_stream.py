@@ -12,13 +12,17 @@ class IncrementalDetokenizer:
     tokenizer's handling of leading spaces, so each step decodes a short window
     (`prefix` .. end) and emits what it adds beyond the window's already-emitted part.
     A window that ends in U+FFFD (an unfinished UTF-8 sequence) is held until complete.
+
+    `context`: tokens the text continues (a prompt's last ones), decoded in the first window but never
+    emitted, so that the first token's text is what it adds to them: a SentencePiece tokenizer drops
+    the leading space of a text's first word, which a completion of "The capital of France is" needs.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
         self.decode = decode  # ids → text, special tokens skipped
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)
         self.prefix = 0  # start of the decode window
-        self.read = 0  # tokens up to here have been emitted
+        self.read = len(self.ids)  # tokens up to here have been emitted (or are the context)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

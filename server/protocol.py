@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -479,6 +480,10 @@ class CompletionRequest(SamplingRequest):
              "echo cannot be combined with a suffix (fill-in-the-middle)"),
             ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
         ]
+
+    def _sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        # the completion's text goes on from the prompt's: its first word keeps its leading space
+        return replace(super()._sampling_params(defaults), text_continues_prompt=True)
 
     def _top_logprobs(self) -> int | None:
         return self.logprobs

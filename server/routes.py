@@ -326,6 +326,7 @@ async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Respons
             prompt, params = await fill_in_the_middle(engine, body.prompt or "", body.suffix, params)
         else:  # the prompt as it is
             prompt = await run_in_threadpool(engine.encode, body.prompt)
+        params = replace(params, text_continues_prompt=True)  # its first word keeps its leading space
         plan = ChatPlan(prompt, params, ToolPlan(), ReasoningPlan())
     else:
         plan = await plan_chat(chat, raw, engine)

@@ -178,6 +178,17 @@ def test_on_cpu_a_smaller_ram_budget_keeps_that_many_experts_and_reads_the_rest_
     small.close()
 
 
+def test_a_completion_s_text_goes_on_from_its_prompt_and_a_chat_answer_starts_afresh(engine):
+    prompt = engine.encode("The capital of France is")  # Mixtral's SentencePiece tokenizer
+    (paris,) = engine.tokenizer("Paris", add_special_tokens=False)["input_ids"]  # "▁Paris": a word after a space
+    forced = {"max_tokens": 3, "temperature": 0, "logit_bias": {paris: 100.0}}
+    text, events = run(engine, prompt, text_continues_prompt=True, **forced)
+    ids = [t for e in events for t in e.token_ids]
+    assert text == " Paris Paris Paris" and engine.decode(prompt) + text == engine.decode(prompt + ids)
+    chat_text, _ = run(engine, prompt, **forced)
+    assert chat_text == engine.decode(ids) == "Paris Paris Paris"  # decoded on its own, as before
+
+
 def test_special_tokens_are_kept_in_the_text_only_when_asked(engine):
     prompt = engine.encode(PROMPT)
     bos = engine.tokenizer.bos_token_id  # a special token, as Mistral's [TOOL_CALLS] is

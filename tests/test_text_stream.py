@@ -29,6 +29,22 @@ def test_a_character_split_over_byte_tokens_arrives_whole():
     assert [p for p in pieces if p.strip()] == [pieces[-1]]  # nothing before the last byte
 
 
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_a_continuation_decoded_after_the_prompt_keeps_its_leading_space(kind):
+    """A completion goes on from its prompt: prompt text + completion text is the text of both together.
+    Decoded alone, a SentencePiece continuation loses the space before its first word."""
+    tokenizer = build_tokenizer(kind)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    prompt = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    answer = tokenizer("The capital of France is Paris, naïve 東京.", add_special_tokens=False)["input_ids"][len(prompt):]
+    detokenizer = IncrementalDetokenizer(decode, context=prompt[-4:])
+    text = "".join(detokenizer.push(t) for t in answer)
+    assert decode(prompt) + text == decode(prompt + answer)
+    assert text.startswith(" Paris")
+    if kind == "mixtral":  # the bug this fixes: decoded alone, the first word lost its space
+        assert decode(answer[:1]) == "Paris"
+
+
 def test_stop_string_spanning_pieces_is_cut_and_never_emitted():
     matcher = StopStringMatcher(["END"])
     assert matcher.feed("foo E") == ("foo ", False)
