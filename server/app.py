@@ -136,7 +136,7 @@ def create_app(
     """`on_load_failure(reason)` runs on the event loop when the model cannot be loaded (the CLI
     exits); without it the server stays up and answers 503 with the reason."""
     from engine.client import EngineClient
-    from server.routes import router
+    from server import anthropic_routes, ollama_routes, responses_routes, routes
 
     load = load_engine or (lambda: _load_engine(engine_config))
 
@@ -166,7 +166,8 @@ def create_app(
     )
     app.state.metrics = metrics
     install_error_handlers(app, on_error=lambda request, error: _count_error(metrics, request, error))
-    app.include_router(router)
+    for api in (routes, responses_routes, anthropic_routes, ollama_routes):
+        app.include_router(api.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
     origins = OriginPolicy.from_setting(server_config.allowed_origins)
     app.add_middleware(GuardMiddleware, api_key=server_config.api_key, local_only=server_config.is_loopback,
