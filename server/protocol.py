@@ -32,6 +32,7 @@ def now() -> int:
 MAX_MESSAGES = 4096  # per chat request; also content parts per message
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_N = 16  # choices per request: each is a whole generation, run one after another
+MAX_BATCH = 64  # prompts per /v1/completions request: each prompt's choices run one after another
 
 
 class OpenAIBaseModel(BaseModel):
@@ -473,9 +474,6 @@ class CompletionRequest(SamplingRequest):
         return super()._unsupported() + [
             ("suffix", self.suffix is not None and self.text_prompt() is None,
              "a suffix (fill-in-the-middle) takes one prompt, as text: the code before the cursor"),
-            ("prompt", isinstance(self.prompt, list) and len(self.prompt) > 0
-             and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > 1,
-             "one prompt per request"),
             ("echo", bool(self.echo) and self.suffix is not None,
              "echo cannot be combined with a suffix (fill-in-the-middle)"),
             ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
@@ -507,12 +505,16 @@ class CompletionRequest(SamplingRequest):
             prompt = prompt[0]
         return prompt if isinstance(prompt, str) else None
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a one-element batch is unwrapped."""
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts, each as text or token ids; a lone text or token-id list is a batch of one."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        return prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt is an empty list: send at least one prompt", param="prompt")
+        if len(prompt) > MAX_BATCH:
+            raise InvalidRequestError(f"at most {MAX_BATCH} prompts in a batch (got {len(prompt)})", param="prompt")
+        return list(prompt)
 
 
 class CompletionLogprobs(ResponseModel):

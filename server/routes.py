@@ -44,16 +44,23 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
     accept(body)
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params(engine.sampling_defaults)
-    prompt = body.single_prompt()
-    if body.suffix is not None:  # a text prompt: the request's checks made sure
-        prompt_ids, params = await fill_in_the_middle(engine, prompt, body.suffix, params)
+    prompts = body.prompts()
+    if body.suffix is not None:  # one text prompt: the request's checks made sure
+        prompt_ids, params = await fill_in_the_middle(engine, prompts[0], body.suffix, params)
+        batch_ids = [prompt_ids]
     else:
-        prompt_ids = await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
-    echo = await echoed_prompt(engine, prompt, prompt_ids) if body.echo else None
+        batch_ids = [await prompt_token_ids(engine, prompt) for prompt in prompts]
+    echoes = [await echoed_prompt(engine, prompt, ids) for prompt, ids in zip(prompts, batch_ids)] if body.echo else []
     fmt = CompletionFormat(model_name(engine, body.model), raw.app.state.fingerprint,
-                           want_logprobs=body.logprobs is not None, echo=echo)
-    request = GenerationRequest(fmt.id, prompt_ids, params)
+                           want_logprobs=body.logprobs is not None, choices_per_prompt=body.num_choices,
+                           echoes=tuple(echoes))
+    requests = [GenerationRequest(fmt.id, ids, params) for ids in batch_ids]
+    request = requests[0] if len(requests) == 1 else requests
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
+
+
+async def prompt_token_ids(engine, prompt: str | list[int]) -> list[int]:
+    return await run_in_threadpool(engine.encode, prompt) if isinstance(prompt, str) else list(prompt)
 
 
 async def echoed_prompt(engine, prompt: str | list[int], prompt_ids: list[int]) -> EchoedPrompt:

@@ -2,7 +2,7 @@
 collected into one response.
 
 `Submission` hands one generation to the `EngineClient`; `Choices` are the n generations of a
-request (`n`), run one after another; `ChatFormat` and `CompletionFormat` turn engine events into
+request (`n`), for each prompt of a batch, run one after another; `ChatFormat` and `CompletionFormat` turn engine events into
 OpenAI objects; `Serving` drives them and records metrics.
 """
 
@@ -28,6 +28,7 @@ from engine.api import (
     EngineUnavailableError,
     GenerationEvent,
     GenerationRequest,
+    InvalidRequestError,
     TokenLogprob,
     Usage,
 )
@@ -112,9 +113,19 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
     return [request] + [choice(i) for i in range(1, n)]
 
 
+def batch_requests(prompts: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """The choices of a batch: prompt j's choice i at index j*n + i (OpenAI's and vLLM's order), each
+    prompt's as `choice_requests` makes them. Prompt 0 keeps its id (a lone prompt is unchanged); prompt
+    j's ids take `-p{j}`, so that no two choices share one."""
+    def prompt_request(j: int, request: GenerationRequest) -> GenerationRequest:
+        return request if j == 0 else replace(request, request_id=f"{request.request_id}-p{j}")
+
+    return [choice for j, request in enumerate(prompts) for choice in choice_requests(prompt_request(j, request), n)]
+
+
 @dataclass
 class Choices:
-    """The n choices of one request, generated one after another (the engine runs one request at a
+    """The n choices of one request (of each prompt of a batch), generated one after another (the engine runs one request at a
     time). `current` is the one handed to the engine last: what a disconnect, the drain or a
     preemption stops, and what is closed at the end."""
 
@@ -150,12 +161,16 @@ class Outcome:
             self.stop_sequence = event.stop_sequence
 
 
-def usage_info(outcomes: list[Outcome]) -> p.UsageInfo:
-    """The prompt once (every choice reads the same one; OpenAI counts it so) and every choice's completion."""
+def usage_info(outcomes: list[Outcome], choices_per_prompt: int | None = None) -> p.UsageInfo:
+    """Each prompt once (its choices read the same one; OpenAI counts it so) and every choice's completion.
+    `choices_per_prompt`: a batch's n (prompt j's choices start at j*n); None: all choices share one prompt."""
     usages = [outcome.usage for outcome in outcomes if outcome.usage is not None]
-    prompt = usages[0].prompt_tokens if usages else 0
+    prompt_usages = usages[:1] if choices_per_prompt is None else [
+        outcome.usage for outcome in outcomes[::choices_per_prompt] if outcome.usage is not None]
+    prompt = sum(usage.prompt_tokens for usage in prompt_usages)
     completion = sum(usage.completion_tokens for usage in usages)
-    details = {"prompt_tokens_details": p.PromptTokensDetails(cached_tokens=usages[0].cached_tokens if usages else 0)}
+    cached = sum(usage.cached_tokens for usage in prompt_usages)
+    details = {"prompt_tokens_details": p.PromptTokensDetails(cached_tokens=cached)}
     if outcomes and outcomes[0].reasoning is not None:
         reasoning = sum(outcome.reasoning.count() for outcome in outcomes)
         details["completion_tokens_details"] = p.CompletionTokensDetails(reasoning_tokens=reasoning)
@@ -323,10 +338,16 @@ class CompletionFormat(DataEvents):
     id: str = field(default_factory=lambda: p.random_id("cmpl"))
     created: int = field(default_factory=p.now)
     index: int = 0  # the choice this formats
-    echo: EchoedPrompt | None = None  # the prompt each choice's text starts with (`echo`)
+    choices_per_prompt: int = 1  # `n`: choice `index` is of the batch's prompt index // n
+    echoes: tuple[EchoedPrompt, ...] = ()  # each prompt's, in the batch's order (`echo`); empty: no echo
 
     def choice(self, index: int) -> CompletionFormat:
         return replace(self, index=index)
+
+    @property
+    def echo(self) -> EchoedPrompt | None:
+        """The prompt this choice's text starts with (`echo`): its own prompt's."""
+        return self.echoes[self.index // self.choices_per_prompt] if self.echoes else None
 
     def outcome(self) -> Outcome:
         return Outcome()
@@ -365,13 +386,13 @@ class CompletionFormat(DataEvents):
     def usage(self, outcomes: list[Outcome]) -> BaseModel:
         return p.CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                           system_fingerprint=self.fingerprint, choices=[],
-                                          usage=usage_info(outcomes))
+                                          usage=usage_info(outcomes, self.choices_per_prompt))
 
     def response(self, outcomes: list[Outcome]) -> BaseModel:
         choices = [self.choice(index)._whole(outcome) for index, outcome in enumerate(outcomes)]
         return p.CompletionResponse(id=self.id, created=self.created, model=self.model,
                                     system_fingerprint=self.fingerprint, choices=choices,
-                                    usage=usage_info(outcomes))
+                                    usage=usage_info(outcomes, self.choices_per_prompt))
 
     def _whole(self, outcome: Outcome) -> p.CompletionChoice:
         text, logprobs = outcome.text, None
@@ -429,7 +450,8 @@ class Serving:
     choice to its last, as one long request would. A ticket per choice would let others in between
     choices, but at batch size 1 that only reorders the same work, and a client waiting for all n
     choices gains nothing from it; a stream still preempts a non-streamed request between or
-    during its choices (the running choice starts over, the finished ones are kept).
+    during its choices (the running choice starts over, the finished ones are kept). A batch of
+    prompts is run the same way: its n choices of each prompt, in turn, under one ticket.
 
     On shutdown (`begin_drain`, or sse-starlette seeing the server stop) running requests get
     `drain_s` to finish; then they are aborted and answered 503 (a stream: an error event, [DONE]).
@@ -458,14 +480,17 @@ class Serving:
             choices.abort()
             await asyncio.sleep(DRAIN_POLL_S)
 
-    async def run(self, raw: Request, fmt: Format, request: GenerationRequest, stream: bool,
-                  include_usage: bool = False, n: int = 1) -> Response:
-        """`n`: the number of choices, each a generation of `request` (see `choice_requests`)."""
+    async def run(self, raw: Request, fmt: Format, request: GenerationRequest | list[GenerationRequest],
+                  stream: bool, include_usage: bool = False, n: int = 1) -> Response:
+        """`request`: one prompt's, or a batch's (one per prompt); `n`: the number of choices of each
+        prompt, each a generation of its request (see `choice_requests` and `batch_requests`)."""
         timer = self.metrics.track()  # errors raised from here are counted by the error handlers
-        with _prompt_errors(fmt):  # a bad request is answered at once, not after its turn
-            self.client.engine.validate(request)
+        prompts = request if isinstance(request, list) else [request]
+        for index, prompt in enumerate(prompts):  # a bad request is answered at once, not after its turn
+            with _prompt_errors(fmt, index if len(prompts) > 1 else None):
+                self.client.engine.validate(prompt)
         ticket = await self.scheduler.acquire(streams=stream)
-        requests = choice_requests(request, n)
+        requests = batch_requests(prompts, n)
         try:
             choices = Choices(requests, await self._submit(requests[0], fmt))
         except BaseException:
@@ -597,12 +622,17 @@ class Serving:
 
 
 @contextlib.contextmanager
-def _prompt_errors(fmt: Format) -> Iterator[None]:
-    """A prompt too long for the context, reported against the request's prompt field."""
+def _prompt_errors(fmt: Format, batch_index: int | None = None) -> Iterator[None]:
+    """A prompt too long for the context, reported against the request's prompt field; in a batch, any
+    refused prompt is named by its index."""
     try:
         yield
-    except ContextLengthError as e:
-        raise e.for_prompt(fmt.prompt_param) from None
+    except InvalidRequestError as e:
+        error = e.for_prompt(fmt.prompt_param) if isinstance(e, ContextLengthError) else e
+        if batch_index is None:
+            raise error from None
+        raise InvalidRequestError(f"{fmt.prompt_param}[{batch_index}]: {error}", param=error.param,
+                                  code=error.code) from None
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

@@ -8,7 +8,7 @@ import pytest
 from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
 from server import protocol as p
 from server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
-from server.serving import choice_requests, event_data
+from server.serving import batch_requests, choice_requests, event_data
 
 CHAT = [{"role": "user", "content": "hi"}]
 MODEL_DEFAULTS = {"temperature": 0.2, "top_p": 0.5, "repetition_penalty": 1.1}
@@ -46,6 +46,15 @@ def test_choice_i_samples_with_seed_plus_i_wrapped_into_the_seed_range():
     assert len({c.request_id for c in choices}) == 3
     assert all(c.params.temperature == 1.0 and c.prompt_token_ids == [1, 2] for c in choices)
     assert [c.params.seed for c in choice_requests(replace(request, params=SamplingParams()), 2)] == [None, None]
+
+
+def test_a_batch_s_choices_are_each_prompt_s_in_turn_with_ids_of_their_own():
+    params = SamplingParams(seed=5, temperature=1.0)
+    prompts = [GenerationRequest("cmpl-1", [1], params), GenerationRequest("cmpl-1", [2], params)]
+    choices = batch_requests(prompts, 2)
+    assert choices[0] is prompts[0]  # a lone prompt is unchanged
+    assert [(c.prompt_token_ids, c.params.seed) for c in choices] == [([1], 5), ([1], 6), ([2], 5), ([2], 6)]
+    assert len({c.request_id for c in choices}) == 4
 
 
 def test_a_stream_event_s_data_is_one_line_for_any_line_splitter():

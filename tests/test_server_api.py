@@ -321,6 +321,69 @@ def test_n_completions_through_the_openai_sdk(client):
     assert response.choices[0].text == response.choices[1].text and response.usage.completion_tokens == 6
 
 
+# -- a batch of prompts on /v1/completions: prompt j's choice i at index j*n + i ---------------
+BATCH = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+GREEDY_BATCH = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+
+
+def test_a_greedy_batch_equals_its_prompts_sent_one_by_one(http):
+    full = http.post("/v1/completions", json={**GREEDY_BATCH, "prompt": BATCH}).json()
+    singles = [http.post("/v1/completions", json={**GREEDY_BATCH, "prompt": prompt}).json()["choices"][0]
+               for prompt in BATCH]
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2]
+    assert [(c["text"], c["finish_reason"]) for c in full["choices"]] == [
+        (c["text"], c["finish_reason"]) for c in singles]
+
+
+def test_a_batch_with_n_orders_its_choices_by_prompt_then_choice(http):
+    full = http.post("/v1/completions", json={**GREEDY_BATCH, "prompt": BATCH[:2], "n": 2, "seed": 3,
+                                              "temperature": 1.0, "ignore_eos": True}).json()
+    assert [c["index"] for c in full["choices"]] == list(range(4))
+    for j, prompt in enumerate(BATCH[:2]):  # prompt j's choice i is prompt j alone with n=2
+        alone = http.post("/v1/completions", json={**GREEDY_BATCH, "prompt": prompt, "n": 2, "seed": 3,
+                                                   "temperature": 1.0, "ignore_eos": True}).json()
+        assert [c["text"] for c in full["choices"][2 * j:2 * j + 2]] == [c["text"] for c in alone["choices"]]
+
+
+def test_a_token_id_batch_counts_each_prompt_once(http, tokenizer):
+    ids = [tokenizer(prompt)["input_ids"] for prompt in BATCH[:2]]
+    body = {**GREEDY_BATCH, "prompt": ids, "n": 3, "ignore_eos": True}
+    full = http.post("/v1/completions", json=body).json()
+    by_text = http.post("/v1/completions", json={**body, "prompt": BATCH[:2]}).json()
+    assert [c["text"] for c in full["choices"]] == [c["text"] for c in by_text["choices"]]
+    assert len(full["choices"]) == 6
+    usage = full["usage"]
+    assert usage["prompt_tokens"] == sum(len(prompt) for prompt in ids)
+    assert usage["completion_tokens"] == 6 * GREEDY_BATCH["max_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_a_streamed_batch_sends_each_choice_with_its_index(http):
+    body = {**GREEDY_BATCH, "prompt": BATCH, "n": 2, "stream_options": {"include_usage": True}}
+    full = http.post("/v1/completions", json=body).json()
+    events = stream_events(http, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == full["usage"]
+    indexes = [c["index"] for chunk in events[:-2] for c in chunk["choices"]]
+    assert indexes == sorted(indexes) and set(indexes) == set(range(6))  # in turn, each once
+    assert by_index(events[:-2], lambda choice: choice["text"]) == {c["index"]: c["text"] for c in full["choices"]}
+
+
+def test_a_batch_echoes_each_choice_s_own_prompt(http):
+    body = {**GREEDY_BATCH, "prompt": BATCH[:2], "n": 2, "echo": True, "logprobs": 1, "max_tokens": 2}
+    choices = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["text"].startswith(BATCH[c["index"] // 2]) for c in choices] == [True] * 4
+    streamed = by_index(stream_events(http, "/v1/completions", body)[:-1], lambda choice: choice["text"])
+    assert streamed == {c["index"]: c["text"] for c in choices}
+
+
+def test_a_batch_names_the_prompt_too_long_for_the_context(http):
+    response = http.post("/v1/completions", json={**GREEDY_BATCH, "prompt": [[7] * 4, [7] * 600]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "prompt[1]" in error["message"]
+
+
 # -- errors ---------------------------------------------------------------------------------
 ERRORS = [
     # name, path, body, status, code, param
@@ -358,7 +421,9 @@ ERRORS = [
      "context_length_exceeded", "messages"),
     ("prompt-overflow", "/v1/completions", {"prompt": [7] * 600, "max_tokens": 1}, 400, "context_length_exceeded",
      "prompt"),
-    ("batched-prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None, "prompt"),
+    ("empty-batch", "/v1/completions", {"prompt": []}, 400, None, "prompt"),
+    ("batch-of-65", "/v1/completions", {"prompt": ["a"] * 65}, 400, None, "prompt"),  # MAX_BATCH is 64
+    ("batch-with-suffix", "/v1/completions", {"prompt": ["a", "b"], "suffix": "c"}, 400, None, "suffix"),
     ("echo-with-suffix", "/v1/completions", {"prompt": "a", "echo": True, "suffix": "b"}, 400, None, "echo"),
     ("suffix-no-fim-tokens", "/v1/completions", {"prompt": "def f(", "suffix": "):"}, 400, None, "suffix"),
     ("suffix-token-prompt", "/v1/completions", {"prompt": [1, 2], "suffix": ""}, 400, None, "suffix"),
