@@ -2,8 +2,8 @@
 collected into one response.
 
 `Submission` hands one generation to the `EngineClient`; `Choices` are the n generations of a
-request (`n`), for each prompt of a batch, run one after another; `ChatFormat` and `CompletionFormat` turn engine events into
-OpenAI objects; `Serving` drives them and records metrics.
+request (`n`), for each prompt of a batch, run one after another; `ChatFormat` and `CompletionFormat`
+turn engine events into OpenAI objects; `Serving` drives them and records metrics.
 """
 
 from __future__ import annotations
@@ -120,14 +120,15 @@ def batch_requests(prompts: list[GenerationRequest], n: int) -> list[GenerationR
     def prompt_request(j: int, request: GenerationRequest) -> GenerationRequest:
         return request if j == 0 else replace(request, request_id=f"{request.request_id}-p{j}")
 
-    return [choice for j, request in enumerate(prompts) for choice in choice_requests(prompt_request(j, request), n)]
+    return [choice for j, request in enumerate(prompts)
+            for choice in choice_requests(prompt_request(j, request), n)]
 
 
 @dataclass
 class Choices:
-    """The n choices of one request (of each prompt of a batch), generated one after another (the engine runs one request at a
-    time). `current` is the one handed to the engine last: what a disconnect, the drain or a
-    preemption stops, and what is closed at the end."""
+    """The n choices of one request (of each prompt of a batch), generated one after another (the
+    engine runs one request at a time). `current` is the one handed to the engine last: what a
+    disconnect, the drain or a preemption stops, and what is closed at the end."""
 
     requests: list[GenerationRequest]
     current: Submission
