@@ -131,3 +131,31 @@ def _call_text(call: dict) -> str:
     arguments = function["arguments"]
     arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return f"Tool call {function['name']}({arguments})"
+
+
+SYSTEM_FOLD_JOIN = "\n\n"  # between a folded system message's text and the user turn's
+
+
+def fold_late_system_messages(messages: list[dict]) -> list[dict] | None:
+    """The messages with each system message after the first joined to a user turn (the next one, else the
+    last before it), for templates that take a system message only at the start (Mixtral's raises on one
+    mid-conversation, which OpenAI's chat allows and Claude Code sends); None when there is none to fold."""
+    if not any(i > 0 and m["role"] == "system" for i, m in enumerate(messages)):
+        return None
+    out: list[dict] = []
+    pending: list[str] = []  # late system text waiting for the next user turn
+    for i, message in enumerate(messages):
+        if i > 0 and message["role"] == "system":
+            pending.append(message["content"])
+            continue
+        if message["role"] == "user" and pending:
+            message = {**message, "content": SYSTEM_FOLD_JOIN.join([*pending, message["content"]])}
+            pending = []
+        out.append(message)
+    if pending:
+        users = [i for i, m in enumerate(out) if m["role"] == "user"]
+        if not users:
+            return None
+        last = out[users[-1]]
+        out[users[-1]] = {**last, "content": SYSTEM_FOLD_JOIN.join([last["content"], *pending])}
+    return out

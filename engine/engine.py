@@ -37,7 +37,7 @@ from engine.api import (
     TokenLogprob,
     Usage,
 )
-from engine.chat_messages import prepare_messages, template_info
+from engine.chat_messages import fold_late_system_messages, prepare_messages, template_info
 from engine.chat_template import ChatTemplate, read_chat_template
 from engine.checkpoint import checkpoint_digest, published_format, read_config_dict, resolve_model_path
 from engine.config import EngineConfig
@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
 CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
+TEMPLATE_TIMEOUT_CODE = "chat_template_timeout"
 # what transformers' apply_chat_template takes itself, or the server sets: not a template variable
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -259,7 +260,13 @@ class Engine:
                                       param="chat_template_kwargs")
         normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._encoder_lock:
-            text = self._render_chat_template(normalised, tools, template_kwargs or {})
+            try:
+                text = self._render_chat_template(normalised, tools, template_kwargs or {})
+            except InvalidRequestError as e:
+                folded = fold_late_system_messages(normalised)
+                if folded is None or e.code == TEMPLATE_TIMEOUT_CODE:
+                    raise
+                text = self._render_chat_template(folded, tools, template_kwargs or {})
             return self._encoder(text, add_special_tokens=False)["input_ids"]
 
     def _render_chat_template(self, messages: list[dict], tools: list[dict] | None,
@@ -273,7 +280,7 @@ class Engine:
         except TimeLimitExceeded:
             log.warning("the chat template did not finish within %.0f s", CHAT_TEMPLATE_TIME_LIMIT_S)
             raise InvalidRequestError(f"the model's chat template did not finish within {CHAT_TEMPLATE_TIME_LIMIT_S:g} s "
-                                      "on these messages", param="messages", code="chat_template_timeout") from None
+                                      "on these messages", param="messages", code=TEMPLATE_TIMEOUT_CODE) from None
         except Exception as e:  # the template's own checks (roles that must alternate) and the sandbox's
             raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
 

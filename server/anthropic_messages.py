@@ -1,7 +1,8 @@
 """An Anthropic Messages request as the chat request it means, so that it runs through the same chat
 pipeline (`plan_chat`: tools, reasoning, the model's template) as `/v1/chat/completions`.
 
-- `system` becomes a system message; a user turn's `tool_result` blocks become `tool` messages (before
+- `system` becomes a system message, as does a turn with the role "system" (an instruction given
+  mid-conversation, which Claude Code sends) in its place; a user turn's `tool_result` blocks become `tool` messages (before
   the turn's text: templates expect them right after the calls), an assistant turn's `tool_use` blocks
   its `tool_calls` and its `thinking` its `reasoning_content` (`redacted_thinking` is dropped).
 - `tool_choice` auto/any/tool/none is chat's auto/required/named/none; `disable_parallel_tool_use`
@@ -67,6 +68,9 @@ def to_chat_request(body: CountTokensRequest) -> p.ChatCompletionRequest:
 
 
 def _refuse_prefill(messages: list[MessageParam]) -> None:
+    if all(m.role == "system" for m in messages):
+        raise InvalidRequestError("messages must hold a user turn (system turns alone ask nothing)",
+                                  param="messages")
     if messages and messages[-1].role == "assistant":
         raise InvalidRequestError("the last message must be a user turn: continuing an assistant turn (prefill) "
                                   "is not supported by this server", param=f"messages[{len(messages) - 1}].role")
@@ -83,6 +87,8 @@ def _turn(turn: MessageParam, index: int) -> list[p.ChatMessage]:
     where = f"messages[{index}].content"
     for j, block in enumerate(turn.content):
         _check_block(block, turn.role, f"{where}[{j}]")
+    if turn.role == "system":
+        return _system(turn.content)
     return [_assistant_turn(turn.content)] if turn.role == "assistant" else _user_turn(turn.content)
 
 
@@ -90,7 +96,7 @@ def _check_block(block, role: str, where: str) -> None:
     if isinstance(block, UnsupportedBlock):
         raise InvalidRequestError(f"{where}: '{block.type}' blocks are not supported by this server (only text, "
                                   "tool_use, tool_result and thinking)", param=where)
-    allowed = (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock) if role == "assistant" else (ToolResultBlock,)
+    allowed = {"assistant": (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock), "user": (ToolResultBlock,)}.get(role, ())
     if not isinstance(block, (TextBlock, *allowed)):
         raise InvalidRequestError(f"{where}: a '{block.type}' block cannot be in a {role} turn", param=where)
 

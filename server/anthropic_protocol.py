@@ -68,7 +68,9 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
 
 
 class MessageParam(OpenAIBaseModel):
-    role: Literal["user", "assistant"]
+    # "system": an instruction given mid-conversation (Claude Code sends these, beta
+    # mid-conversation-system-2026-04-07); text only
+    role: Literal["user", "assistant", "system"]
     content: str | Annotated[list[ContentBlock], Field(max_length=MAX_MESSAGES)]
 
 

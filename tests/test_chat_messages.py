@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import InvalidRequestError
-from engine.chat_messages import prepare_messages, template_info, with_system_text
+from engine.chat_messages import fold_late_system_messages, prepare_messages, template_info, with_system_text
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 HISTORY = [
@@ -75,3 +75,17 @@ def test_system_text_joins_the_system_message_or_leads_as_one():
     assert with_system_text([user], "TOOLS") == [{"role": "system", "content": "TOOLS"}, user]
     system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
     assert with_system_text([system, user], "TOOLS") == [{"role": "system", "content": "Be brief.\n\nTOOLS"}, user]
+
+
+def test_late_system_messages_join_the_next_user_turn_or_else_the_last_one():
+    first = {"role": "system", "content": "Be brief."}
+    ask, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    late = {"role": "system", "content": "Tools: none."}
+    assert fold_late_system_messages([first, ask, answer]) is None
+    assert fold_late_system_messages([first, ask, answer, late, {"role": "user", "content": "Go"}]) == [
+        first, ask, answer, {"role": "user", "content": "Tools: none.\n\nGo"}]
+    # Claude Code's shape: the instruction after the user turn it belongs to
+    assert fold_late_system_messages([ask, late]) == [{"role": "user", "content": "Hi\n\nTools: none."}]
+    assert fold_late_system_messages([ask, late, late]) == [
+        {"role": "user", "content": "Hi\n\nTools: none.\n\nTools: none."}]
+    assert fold_late_system_messages([first, late]) is None  # no user turn to carry it

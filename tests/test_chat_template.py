@@ -13,7 +13,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine.api import GenerationRequest, SamplingParams
+from engine.api import GenerationRequest, InvalidRequestError, SamplingParams
 from engine.chat_messages import prepare_messages
 from engine.chat_template import ChatTemplateError, read_chat_template
 from engine.config import EngineConfig
@@ -120,6 +120,34 @@ def test_inline_text_renders_the_prompt_and_picks_the_reasoning_parser(mixtral):
     assert detect_reasoning(engine.chat_template_info) == "think"  # Mixtral's own: none
     events = list(engine.generate(GenerationRequest("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True))))
     assert events[-1].finish_reason == "length"
+
+
+# Mixtral-8x7B-Instruct's structure: one optional leading system message, then strictly alternating turns
+STRICT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set turns = messages[1:] %}{%- else %}{%- set turns = messages %}{%- endif %}{{- bos_token }}"
+    "{%- for m in turns %}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('roles must alternate user/assistant after an optional system message') }}{%- endif %}"
+    "{%- if m['role'] == 'user' and loop.first and system is defined %}"
+    "{{- ' [INST] ' + system + '\\n\\n' + m['content'] + ' [/INST]' }}"
+    "{%- elif m['role'] == 'user' %}{{- ' [INST] ' + m['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_template_that_refuses_a_late_system_message_gets_it_in_a_user_turn(mixtral):
+    from engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(mixtral), device="cpu", chat_template=STRICT_TEMPLATE))
+    own = AutoTokenizer.from_pretrained(mixtral)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": "Name a fruit."}]
+    folded = [*messages[:3], {"role": "user", "content": "Answer in French.\n\nName a fruit."}]
+    assert engine.apply_chat_template(messages) == rendered_ids(own, STRICT_TEMPLATE, folded)
+    with pytest.raises(InvalidRequestError, match="roles must alternate"):  # its other checks still hold
+        engine.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 # -- through the server -----------------------------------------------------------------------

@@ -234,7 +234,9 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 @pytest.mark.parametrize("change, param, needle", [
     ({"max_tokens": None}, "max_tokens", "required"),
     ({"messages": []}, "messages", ""),
-    ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role", ""),
+    ({"messages": [{"role": "system", "content": "hi"}]}, "messages", "user turn"),
+    ({"messages": [*HELLO, {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "messages[1].content[0]", "system turn"),
     ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0]", "'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools", "web_search_20250305"),
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools", "bash_20250124"),
@@ -339,6 +341,17 @@ def test_tool_use_and_tool_result_history_reaches_the_template_as_chat_turns(rec
     assert weather == {"role": "tool", "content": "21, clear", "tool_call_id": "toolu_1", "name": None}
     assert clock["content"] == "Error: no clock" and clock["tool_call_id"] == "toolu_2"
     assert thanks == {"role": "user", "content": "Thanks."}
+
+
+def test_a_system_turn_mid_conversation_reaches_the_template_in_its_place(recorded):
+    engine, client, _ = recorded
+    engine.output = "Hello."
+    reminder = [{"type": "text", "text": "Agent types: Explore."}, {"type": "text", "text": "Skills: none."}]
+    turns = [{"role": "user", "content": "Say hello"}, {"role": "system", "content": reminder}]
+    message = client.messages.create(model="recorded", messages=turns, max_tokens=20, system="You are an agent.")
+    assert message.content[0].text == "Hello."
+    assert engine.messages == [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Say hello"},
+                               {"role": "system", "content": "Agent types: Explore.\n\nSkills: none."}]
 
 
 THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\nIt is sunny."
