@@ -43,7 +43,7 @@ from engine.checkpoint import checkpoint_digest, published_format, read_config_d
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from engine.fim import detect_fim, fim_prompt_ids
+from engine.fim import ExtraFiles, detect_fim, fim_prompt_ids
 from engine.host_memory import available_ram_bytes
 from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
@@ -220,15 +220,16 @@ class Engine:
         with self._encoder_lock:
             return self._encoder(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
-        """The fill-in-the-middle prompt for the code around the cursor (engine/fim.py); a request should also
-        stop at `fim_stop_ids`. A model without FIM tokens: InvalidRequestError naming `suffix`."""
+    def fim_prompt(self, prefix: str, suffix: str, files: ExtraFiles = ()) -> list[int]:
+        """The fill-in-the-middle prompt for the code around the cursor (engine/fim.py), after other `files` of
+        the project; a request should also stop at `fim_stop_ids`. A model without FIM tokens:
+        InvalidRequestError naming `suffix`."""
         if self._fim is None:
             raise InvalidRequestError("this model has no fill-in-the-middle tokens, so it cannot complete between "
                                       "a prompt and a suffix (code models such as Qwen2.5/3-Coder, "
                                       "DeepSeek-Coder-V2, Codestral and StarCoder have them)", param="suffix")
         with self._encoder_lock:
-            return fim_prompt_ids(self._encoder, self._fim, prefix, suffix)
+            return fim_prompt_ids(self._encoder, self._fim, prefix, suffix, files)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:

@@ -27,7 +27,7 @@ from server.serving import Serving
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
-                    "/api/generate")
+                    "/api/generate", "/infill")
 OPEN_PATHS = ("/health",)  # answered without an API key
 EXPOSED_HEADERS = ("X-Moe-Serve-Warning", "Retry-After")  # what a browser page may read of an answer
 
@@ -136,7 +136,7 @@ def create_app(
     """`on_load_failure(reason)` runs on the event loop when the model cannot be loaded (the CLI
     exits); without it the server stays up and answers 503 with the reason."""
     from engine.client import EngineClient
-    from server import anthropic_routes, ollama_routes, responses_routes, routes
+    from server import anthropic_routes, llamacpp_routes, ollama_routes, responses_routes, routes
 
     load = load_engine or (lambda: _load_engine(engine_config))
 
@@ -166,7 +166,7 @@ def create_app(
     )
     app.state.metrics = metrics
     install_error_handlers(app, on_error=lambda request, error: _count_error(metrics, request, error))
-    for api in (routes, responses_routes, anthropic_routes, ollama_routes):
+    for api in (routes, responses_routes, anthropic_routes, ollama_routes, llamacpp_routes):
         app.include_router(api.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
     origins = OriginPolicy.from_setting(server_config.allowed_origins)

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from engine.api import GenerationEvent, Usage
 from server import ollama_protocol as o
 from server.reasoning import Reasoning, ReasoningPlan
-from server.serving import JSONLines, Outcome, output_reader
+from server.serving import JSONLines, Outcome, TimedOutcome, output_reader
 from server.tool_parsers import ToolCall
 from server.tools import ToolPlan
 
@@ -32,21 +32,6 @@ from server.tools import ToolPlan
 def created_at() -> str:
     """Now, in RFC 3339 (as Ollama writes it: UTC, `Z`)."""
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-@dataclass
-class TimedOutcome(Outcome):
-    """An outcome that also notes when the engine started on it, and its first and last events."""
-
-    started_ns: int = field(default_factory=time.monotonic_ns)
-    first_ns: int | None = None
-    last_ns: int | None = None
-
-    def add(self, event: GenerationEvent) -> None:
-        super().add(event)
-        now = time.monotonic_ns()
-        self.first_ns = now if self.first_ns is None else self.first_ns
-        self.last_ns = now
 
 
 @dataclass

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.api import EngineUnavailableError, SamplingParams
 from engine.constraint import added_token_ids
+from engine.fim import ExtraFiles
 from server import protocol as p
 from server.errors import model_not_found
 from server.ollama_context import Render
@@ -117,9 +118,10 @@ def with_tool_warning(response: Response, plan: ChatPlan, request_id: str, other
     return response
 
 
-async def fill_in_the_middle(engine, prefix: str, suffix: str,
-                             params: SamplingParams) -> tuple[list[int], SamplingParams]:
-    """The fill-in-the-middle prompt for the code around the cursor, and `params` that also end at the format's
-    tokens (they never belong in a middle); a model without FIM tokens: a 400 naming `suffix`."""
-    prompt = await run_in_threadpool(engine.fim_prompt, prefix, suffix)
+async def fill_in_the_middle(engine, prefix: str, suffix: str, params: SamplingParams,
+                             files: ExtraFiles = ()) -> tuple[list[int], SamplingParams]:
+    """The fill-in-the-middle prompt for the code around the cursor (after other `files` of the project, as
+    context), and `params` that also end at the format's tokens (they never belong in a middle); a model
+    without FIM tokens: a 400 naming `suffix`."""
+    prompt = await run_in_threadpool(engine.fim_prompt, prefix, suffix, files)
     return prompt, replace(params, stop_token_ids=engine.fim_stop_ids)

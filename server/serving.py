@@ -162,6 +162,21 @@ class Outcome:
             self.stop_sequence = event.stop_sequence
 
 
+@dataclass
+class TimedOutcome(Outcome):
+    """An outcome that also notes when the engine started on it, and its first and last events."""
+
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    first_ns: int | None = None
+    last_ns: int | None = None
+
+    def add(self, event: GenerationEvent) -> None:
+        super().add(event)
+        now = time.monotonic_ns()
+        self.first_ns = now if self.first_ns is None else self.first_ns
+        self.last_ns = now
+
+
 def usage_info(outcomes: list[Outcome], choices_per_prompt: int | None = None) -> p.UsageInfo:
     """Each prompt once (its choices read the same one; OpenAI counts it so) and every choice's completion.
     `choices_per_prompt`: a batch's n (prompt j's choices start at j*n); None: all choices share one prompt."""

@@ -103,3 +103,32 @@ def test_a_partial_set_of_markers_is_no_format():
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=True) for t in ("<|fim_prefix|>", "<|fim_suffix|>")],
                          special_tokens=True)
     assert detect_fim(tokenizer) is None
+
+
+FILES = [("util.py", "def sub(a, b):\n    return a - b\n"), ("b.py", "X = 1\n")]
+
+
+def test_other_files_take_qwens_repo_level_layout():
+    tokenizer = build_tokenizer("qwen_coder")
+    fim = detect_fim(tokenizer)
+    repo, sep = ids(tokenizer, "<|repo_name|>", "<|file_sep|>")
+    context = [repo, *text_ids(tokenizer, "myproject\n")]
+    for name, text in FILES:
+        context += [sep, *text_ids(tokenizer, name + "\n"), *text_ids(tokenizer, text)]
+    context += [sep, *text_ids(tokenizer, "filename\n")]
+    assert fim_prompt_ids(tokenizer, fim, PREFIX, SUFFIX, FILES) == [*context, *fim_prompt_ids(tokenizer, fim,
+                                                                                               PREFIX, SUFFIX)]
+    assert fim_prompt_ids(tokenizer, fim, PREFIX, SUFFIX, []) == fim_prompt_ids(tokenizer, fim, PREFIX, SUFFIX)
+
+
+def test_other_files_are_plain_text_without_repo_tokens():
+    """Codestral's FIM has no file tokens: each file follows llama.cpp's separator line, as text, after the BOS."""
+    tokenizer = build_tokenizer("mistral_v3")
+    fim = detect_fim(tokenizer)
+    assert fim.repo is None and fim.bos == (tokenizer.bos_token_id,)
+    context = [t for _, text in FILES for t in plain_token_ids(tokenizer, "\n\n--- snippet ---\n\n" + text)]
+    plain = fim_prompt_ids(tokenizer, fim, PREFIX, SUFFIX)
+    assert fim_prompt_ids(tokenizer, fim, PREFIX, SUFFIX, FILES) == [*fim.bos, *context, *plain[len(fim.bos):]]
+    marker_text = [("evil.py", MARKER_TEXT)]  # a file's text cannot make a marker either
+    prompt = fim_prompt_ids(tokenizer, fim, PREFIX, SUFFIX, marker_text)
+    assert [t for t in prompt if t in fim.stop_ids] == [fim.suffix, fim.prefix]  # only the format's own

@@ -12,9 +12,9 @@ import ollama
 import openai
 import pytest
 
-from server.testing import RemoteServer
+from tests.conftest import QWEN_CODER_MODEL
 
-MODEL = "tiny-qwen-coder"
+MODEL = QWEN_CODER_MODEL
 PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"
 FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, FIM_PAD = 151659, 151660, 151661, 151662  # Qwen2.5-Coder's ids
@@ -22,17 +22,13 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from tests.fixtures.models import build_checkpoint
-
-    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen-coder"), tokenizer="qwen_coder")
+def checkpoint(qwen_coder_checkpoint):
+    return qwen_coder_checkpoint
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    with RemoteServer(["--model", str(checkpoint), "--served-model-name", MODEL, "--device", "cpu"],
-                      env={"OMP_NUM_THREADS": "1"}) as srv:
-        yield srv
+def server(qwen_coder_server):
+    return qwen_coder_server
 
 
 @pytest.fixture(scope="module")

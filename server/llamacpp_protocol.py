@@ -1,0 +1,138 @@
+"""llama.cpp's `/infill` wire types: the request editor plugins (llama.vim, llama.vscode) send, and the
+`/completion`-shaped answer they read (`content`, `timings`, `tokens_cached`, `truncated`).
+
+The request takes `/completion`'s common sampling fields under llama.cpp's names (`n_predict`,
+`repeat_penalty`, `seed` -1 for a random one). Fields llama.cpp has and this server does not honour
+(`t_max_prompt_ms`, `t_max_predict_ms`, `samplers`, `n_indent`, `id_slot`, ...) are accepted and logged, as
+every unknown field is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from engine.api import InvalidRequestError, SamplingParams
+from engine.fim import ExtraFiles
+from server import protocol as p
+
+RANDOM_SEED = -1  # llama.cpp's "no seed"
+UNLIMITED = -1  # n_predict: until a stop or the end of the context
+StopType = Literal["eos", "limit", "word"]
+
+
+class ExtraChunk(p.OpenAIBaseModel):
+    """Another file of the project (llama.vim sends chunks of recently seen buffers, with a `time` too)."""
+
+    filename: str = "tmp"  # llama.cpp's default
+    text: str = ""
+
+
+class InfillRequest(p.SamplingRequest):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = []
+    prompt: str = ""  # the cursor line's text before the cursor: it goes on from input_prefix, as in llama.cpp
+    n_predict: int | None = None  # -1: no limit; 0: nothing generated (llama.vim warms its cache so)
+    repeat_penalty: float | None = None
+    cache_prompt: bool | None = None  # always on: the prefix cache keeps the prompt anyway
+    response_fields: list[str] | None = None  # only these fields of the answer; "a/b" is b of a, at the top
+
+    @property
+    def predicted(self) -> int:
+        """The token limit asked for, `n_predict` or OpenAI's `max_tokens`; -1 when neither is."""
+        for value in (self.n_predict, self.max_tokens):
+            if value is not None:
+                return value
+        return UNLIMITED
+
+    @property
+    def prefix(self) -> str:
+        return self.input_prefix + self.prompt
+
+    def files(self) -> ExtraFiles:
+        return [(chunk.filename, chunk.text) for chunk in self.input_extra]
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        return super()._unsupported() + [
+            ("n", self.num_choices != 1, "/infill answers one completion"),
+        ]
+
+    def _max_tokens(self) -> int | None:
+        if self.predicted < UNLIMITED:
+            param = "n_predict" if self.n_predict is not None else "max_tokens"
+            raise InvalidRequestError(f"{param} must be -1 (no limit), 0 or more", param=param)
+        return None if self.predicted <= 0 else self.predicted  # 0 is answered without the engine
+
+    def _sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        renamed = self.model_copy(update={
+            "seed": None if self.seed == RANDOM_SEED else self.seed,
+            "repetition_penalty": self.repeat_penalty if self.repetition_penalty is None else self.repetition_penalty,
+        })
+        # the middle goes on from the prefix's text: its first word keeps its leading space
+        return replace(super(InfillRequest, renamed)._sampling_params(defaults), text_continues_prompt=True)
+
+    def _request_param(self, param: str | None) -> str | None:
+        renamed = {"max_tokens": "n_predict" if self.n_predict is not None else "max_tokens",
+                   "repetition_penalty": "repeat_penalty" if self.repeat_penalty is not None else param}
+        return renamed.get(param, param)
+
+
+class Timings(p.ResponseModel):
+    cache_n: int
+    prompt_n: int  # the prompt's tokens computed (not read from the prefix cache)
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
+class InfillChunk(p.ResponseModel):
+    """A piece of a streamed answer."""
+
+    index: int = 0
+    content: str
+    tokens: list[int]
+    stop: Literal[False] = False
+
+
+class InfillResponse(p.ResponseModel):
+    """The whole answer, or a stream's last event (its `content` then empty)."""
+
+    index: int = 0
+    content: str
+    tokens: list[int] = []
+    stop: Literal[True] = True
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    tokens_cached: int  # the prompt's tokens read from the prefix cache
+    stop_type: StopType
+    stopping_word: str
+    truncated: bool  # the context ended the answer
+    timings: Timings
+
+
+class SelectedFields(BaseModel):
+    """An answer cut to a request's `response_fields`."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def select_fields(answer: dict[str, Any], fields: list[str]) -> SelectedFields:
+    """llama.cpp's `response_fields`: each path's value under the path itself (`timings/prompt_n`), at the
+    top; a path the answer lacks is left out."""
+    selected = {}
+    for path in fields:
+        value: Any = answer
+        for key in path.split("/"):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            selected[path] = value
+    return SelectedFields(**selected)
