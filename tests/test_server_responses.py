@@ -226,7 +226,8 @@ def test_text_format_json_schema_gives_valid_json(client):
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
     ({"temperature": -1}, 400, "temperature"),
-    ({"include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"top_logprobs": -1}, 400, "top_logprobs"),
     ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"model": "another-model"}, 404, "model"),
 ])
