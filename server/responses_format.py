@@ -125,8 +125,8 @@ class OutputBuilder:
                                                     item_id=item.id, output_index=self._last, content_index=0,
                                                     delta=text)]
         part.logprobs += logprobs or []
-        return events + [rp.TextDeltaEvent(type=_delta_type(item), sequence_number=self._sequence(), item_id=item.id,
-                                           output_index=self._last, content_index=0, delta=text,
+        return events + [rp.TextDeltaEvent(type=_delta_type(item), sequence_number=self._sequence(),
+                                           item_id=item.id, output_index=self._last, content_index=0, delta=text,
                                            logprobs=logprobs or [])]
 
     def _start(self, item: rp.MessageItem | rp.ReasoningItem) -> list[rp.StreamEvent]:
@@ -230,7 +230,7 @@ class ResponsesFormat(NamedEvents):
         return AnswerReader(output_reader(self.tool_plan, self.reasoning_plan))
 
     def _logprobs(self, logprobs: tuple[TokenLogprob, ...]) -> tuple[TokenLogprob, ...]:
-        return logprobs if self.want_logprobs else ()  # computed for `top_logprobs` alone too: shown only if asked
+        return logprobs if self.want_logprobs else ()  # also computed for `top_logprobs` alone: not shown
 
     def choice(self, index: int) -> ResponsesFormat:
         return self  # always one generation
