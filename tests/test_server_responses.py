@@ -1,9 +1,11 @@
 """The Responses API (`/v1/responses`), driven by the openai SDK and by raw httpx.
 
 - A real server on a tiny random Mixtral: greedy text and usage equal chat completions', the stream's
-  events in order, `previous_response_id`, GET and DELETE, `max_output_tokens`, JSON output, bad input.
+  events in order, `previous_response_id`, GET and DELETE, `max_output_tokens`, JSON output, bad input,
+  output_text logprobs (chat's for the same greedy request, streamed and whole alike).
 - A scripted engine (tests/test_server_tools.py's, with a thinking template): tool calls and reasoning
-  come back as output items, streamed and whole, and tool history reaches the chat template.
+  come back as output items, streamed and whole, and tool history reaches the chat template; logprobs
+  leave out the thinking's and the calls' tokens.
 """
 
 from __future__ import annotations
