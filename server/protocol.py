@@ -368,6 +368,13 @@ class ChatLogprobTop(ResponseModel):
 class ChatLogprobToken(ChatLogprobTop):
     top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
 
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> ChatLogprobToken:
+        """A generated token as chat's `logprobs.content[]` (and the Responses' `output_text.logprobs[]`)."""
+        return cls(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
+                   top_logprobs=[ChatLogprobTop(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
+                                 for t in lp.top])
+
 
 class ChatChoiceLogprobs(ResponseModel):
     content: list[ChatLogprobToken] | None = None
@@ -375,19 +382,7 @@ class ChatChoiceLogprobs(ResponseModel):
 
     @classmethod
     def of(cls, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
-        return cls(
-            content=[
-                ChatLogprobToken(
-                    token=lp.token,
-                    logprob=lp.logprob,
-                    bytes=list(lp.token.encode()),
-                    top_logprobs=[ChatLogprobTop(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
-                                  for t in lp.top],
-                )
-                for lp in logprobs
-            ],
-            refusal=None,
-        )
+        return cls(content=[ChatLogprobToken.of(lp) for lp in logprobs], refusal=None)
 
 
 class AssistantMessage(ResponseModel):

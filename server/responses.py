@@ -116,9 +116,6 @@ def as_input_items(output: list[rp.OutputItem]) -> list[rp.InputItem]:
 def refuse_unsupported(body: rp.ResponsesRequest) -> None:
     if body.background:
         raise InvalidRequestError("background responses are not supported by this server", param="background")
-    if "message.output_text.logprobs" in (body.include or []):
-        raise InvalidRequestError("logprobs are not supported on /v1/responses; use /v1/chat/completions",
-                                  param="include")
 
 
 def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation, tools: ResponseTools,
@@ -133,7 +130,7 @@ def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation, tools
         "tools": tools.functions or None, "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
-        "chat_template_kwargs": body.chat_template_kwargs,
+        "chat_template_kwargs": body.chat_template_kwargs, **_logprob_fields(body),
     }
     with chat_errors():
         try:
@@ -142,6 +139,14 @@ def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation, tools
             error = e.errors()[0]
             param = ".".join(str(part) for part in error["loc"]) or None
             raise InvalidRequestError(f"{param}: {error['msg']}", param=param) from None
+
+
+def _logprob_fields(body: rp.ResponsesRequest) -> dict[str, Any]:
+    """The chat request's logprobs: asked for `top_logprobs` alone too, so that the engine checks its range
+    (the format shows them only where `include` asks)."""
+    if not body.wants_logprobs and body.top_logprobs is None:
+        return {}
+    return {"logprobs": True, "top_logprobs": body.top_logprobs}
 
 
 def chat_messages(items: list[rp.InputItem], first_input: int = 0) -> list[p.ChatMessage]:

@@ -10,6 +10,7 @@ from pydantic import Field
 from server import protocol as p
 
 MAX_INPUT_ITEMS = p.MAX_MESSAGES
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: each output_text carries its tokens' logprobs
 
 
 def item_id(prefix: str) -> str:
@@ -110,13 +111,18 @@ class ResponsesRequest(p.SamplingControls):
     background: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as the chat request's
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Logprobs come back only where `include` asks (as OpenAI: `top_logprobs` alone gives none)."""
+        return LOGPROBS_INCLUDE in (self.include or [])
+
 
 # -- response -------------------------------------------------------------------------------
 class OutputText(p.ResponseModel):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[p.ChatLogprobToken] = Field(default_factory=list)
 
 
 class ReasoningText(p.ResponseModel):
@@ -249,7 +255,7 @@ class TextDeltaEvent(StreamEvent):  # response.output_text.delta
     output_index: int
     content_index: int
     delta: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[p.ChatLogprobToken] = Field(default_factory=list)
 
 
 class TextDoneEvent(StreamEvent):  # response.output_text.done
@@ -257,7 +263,7 @@ class TextDoneEvent(StreamEvent):  # response.output_text.done
     output_index: int
     content_index: int
     text: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[p.ChatLogprobToken] = Field(default_factory=list)
 
 
 class ReasoningDeltaEvent(StreamEvent):  # response.reasoning_text.delta

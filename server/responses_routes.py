@@ -28,7 +28,8 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     with responses.chat_errors():
         plan = await plan_chat(chat, raw, engine)
         shell = responses.response_shell(body, model_name(engine, body.model))
-        fmt = ResponsesFormat(shell, plan.tools, plan.reasoning, tools, on_done=responses.keeper(body, store, conversation))
+        fmt = ResponsesFormat(shell, plan.tools, plan.reasoning, tools, want_logprobs=body.wants_logprobs,
+                              on_done=responses.keeper(body, store, conversation))
         request = GenerationRequest(fmt.id, plan.prompt, plan.params)
         response = await serving(raw).run(raw, fmt, request, bool(body.stream))
     return with_tool_warning(response, plan, fmt.id, tools.warning)

@@ -1,9 +1,11 @@
 """The Responses API (`/v1/responses`), driven by the openai SDK and by raw httpx.
 
 - A real server on a tiny random Mixtral: greedy text and usage equal chat completions', the stream's
-  events in order, `previous_response_id`, GET and DELETE, `max_output_tokens`, JSON output, bad input.
+  events in order, `previous_response_id`, GET and DELETE, `max_output_tokens`, JSON output, bad input,
+  output_text logprobs (chat's for the same greedy request, streamed and whole alike).
 - A scripted engine (tests/test_server_tools.py's, with a thinking template): tool calls and reasoning
-  come back as output items, streamed and whole, and tool history reaches the chat template.
+  come back as output items, streamed and whole, and tool history reaches the chat template; logprobs
+  leave out the thinking's and the calls' tokens.
 """
 
 from __future__ import annotations
@@ -130,6 +132,52 @@ def test_sdk_consumes_the_stream(client):
     assert events[-1].response.usage == whole.usage
 
 
+# -- logprobs: include ["message.output_text.logprobs"] -----------------------------------------
+LOGPROBS = {"model": MODEL, "input": QUESTION, "instructions": BRIEF, "temperature": 0, "max_output_tokens": 8,
+            "include": [rp.LOGPROBS_INCLUDE], "top_logprobs": 2}
+
+
+def test_output_text_logprobs_are_chat_completions_for_the_same_greedy_request(client):
+    # ignore_eos: every output token is answer text
+    response = client.responses.create(**LOGPROBS, extra_body={"ignore_eos": True})
+    messages = [{"role": "system", "content": BRIEF}, {"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == response.usage.output_tokens == 8
+    # the engine decodes each token alone, so a SentencePiece token loses its leading space
+    assert "".join(lp.token for lp in logprobs).replace(" ", "") == response.output_text.replace(" ", "")
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert all(lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob for lp in logprobs)
+    content = chat.choices[0].logprobs.content
+    assert [(lp.token, lp.bytes, [top.token for top in lp.top_logprobs]) for lp in logprobs] == [
+        (t.token, t.bytes, [top.token for top in t.top_logprobs]) for t in content]
+    # float32 on CPU: two runs of the same request may differ in the last bits
+    values = [[lp.logprob] + [top.logprob for top in lp.top_logprobs] for lp in logprobs]
+    assert values == [pytest.approx([t.logprob] + [top.logprob for top in t.top_logprobs], abs=1e-4)
+                      for t in content]
+
+
+def test_streamed_logprobs_add_up_to_the_whole_list(client, http):
+    whole = client.responses.create(**LOGPROBS).model_dump()["output"][0]["content"][0]["logprobs"]
+    data = [d for _, d in stream_events(http, LOGPROBS)]
+    deltas = [d for d in data if d["type"] == "response.output_text.delta"]
+    (done,) = [d for d in data if d["type"] == "response.output_text.done"]
+    final = data[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert whole and [lp for d in deltas for lp in d["logprobs"]] == done["logprobs"] == final == whole
+    assert all(len(lp["top_logprobs"]) == 2 for lp in whole)
+
+
+@pytest.mark.parametrize("extra", [{"top_logprobs": 3}, {"include": [rp.LOGPROBS_INCLUDE]}])
+def test_logprobs_only_where_include_asks_and_top_logprobs_defaults_to_none(client, extra):
+    body = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 4, **extra}
+    logprobs = client.responses.create(**body).output[0].content[0].logprobs
+    if "include" in extra:  # as OpenAI: top_logprobs alone returns none
+        assert len(logprobs) == 4 and all(lp.top_logprobs == [] and lp.logprob <= 0 for lp in logprobs)
+    else:
+        assert logprobs == []
+
+
 def test_max_output_tokens_cuts_the_response_incomplete(client, http):
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 3, "extra_body": {"ignore_eos": True}}
     response = client.responses.create(**body)
@@ -226,7 +274,8 @@ def test_text_format_json_schema_gives_valid_json(client):
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
     ({"temperature": -1}, 400, "temperature"),
-    ({"include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"top_logprobs": -1}, 400, "top_logprobs"),
     ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"model": "another-model"}, 404, "model"),
 ])
@@ -316,6 +365,25 @@ def test_streamed_calls_and_reasoning_events(recorded):
     added = [d["item"] for d in data if d["type"] == "response.output_item.added"]
     assert added[2]["status"] == "in_progress" and added[2]["arguments"] == ""  # as it was when added
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
+
+
+def test_output_text_logprobs_leave_out_the_thinking_and_the_calls(recorded):
+    engine, client, url = recorded
+    engine.output = THINK_THEN_CALL
+    body = {"model": "recorded", "input": ASK, "tools": FLAT_TOOLS, "include": [rp.LOGPROBS_INCLUDE]}
+    whole = client.responses.create(**body)
+    check_calls(whole)
+    (message,) = [item for item in whole.output if item.type == "message"]
+    logprobs = message.content[0].logprobs
+    tokens = [lp.token for lp in logprobs]
+    # the text before the first call, its last token with the newline the call parser drops
+    assert "".join(tokens) == whole.output_text + "\n" and all(lp.logprob == -0.5 for lp in logprobs)
+    assert engine.params.top_logprobs == 0
+    with httpx.Client(base_url=url) as http:
+        data = [d for _, d in stream_events(http, body)]
+    streamed = [lp["token"] for d in data if d["type"] == "response.output_text.delta" for lp in d["logprobs"]]
+    assert streamed == tokens
+    assert all("logprobs" not in d for d in data if d["type"].startswith("response.reasoning_text."))
 
 
 def test_function_call_outputs_reach_the_template_as_tool_turns(recorded):
