@@ -25,18 +25,16 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
 
-from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, Usage
+from bench.scripted_engine import ScriptedEngine
 from engine.config import EngineConfig
-from engine.text_stream import IncrementalDetokenizer
 from server.app import create_app
 from server.config import ServerConfig
 from server.testing import free_port
-from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE, build_tokenizer
+from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
 
 MODEL = "agent-scripted"
 MARK = "moe-serve-agent-ok"
@@ -50,57 +48,18 @@ DEFAULT_BIN = Path("/tmp/agents/node_modules/.bin")
 CLIENT_TIMEOUT_S = 300
 
 
-class ScriptedAgentEngine:
-    """Calls the client's shell tool once, then quotes what the tool returned; logs every prompt's tail."""
-
-    model_name, max_model_len, vocab_size = MODEL, 131_072, 200_000
-    model_names = (model_name,)
-    chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN_TOOLS_TEMPLATE, model_type="qwen3_moe")
-    sampling_defaults: dict = {}
+class ScriptedAgentEngine(ScriptedEngine):
+    """Calls the client's shell tool once, then quotes what the tool returned; keeps every prompt."""
 
     def __init__(self) -> None:
-        self.tokenizer = build_tokenizer("qwen")
+        super().__init__(MODEL, "qwen", QWEN_TOOLS_TEMPLATE)
         self.prompts: list[str] = []
         self.answers: list[str] = []
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=QWEN_TOOLS_TEMPLATE,
-                                                  tokenize=False, add_generation_prompt=True,
-                                                  **(template_kwargs or {}))
-        return self.encode(text)
-
-    def validate(self, request: GenerationRequest) -> None:
-        pass
-
-    def generate(self, request: GenerationRequest, should_abort: Callable[[], bool]) -> Iterator[GenerationEvent]:
-        prompt = self.decode(list(request.prompt_token_ids), skip_special_tokens=False)
-        answer = scripted_answer(prompt)
+    def answer(self, prompt: str) -> str:
         self.prompts.append(prompt)
-        self.answers.append(answer)
-        ids = self.encode(answer)
-        detokenizer = IncrementalDetokenizer(lambda i: self.tokenizer.decode(i, skip_special_tokens=True))
-        for n, token_id in enumerate(ids):
-            if should_abort():
-                yield GenerationEvent("", (), finish_reason="abort", usage=Usage(len(request.prompt_token_ids), n))
-                return
-            yield GenerationEvent(detokenizer.push(token_id), (token_id,))
-        yield GenerationEvent("", (), finish_reason="stop", usage=Usage(len(request.prompt_token_ids), len(ids)))
-
-    def cache_info(self) -> dict:
-        return {}
-
-    def cache_counters(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        pass
+        self.answers.append(scripted_answer(prompt))
+        return self.answers[-1]
 
 
 def scripted_answer(prompt: str) -> str:

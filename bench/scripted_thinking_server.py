@@ -9,77 +9,28 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable, Iterator
 
 import uvicorn
 
-from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, Usage
+from bench.scripted_engine import ScriptedEngine
 from engine.config import EngineConfig
-from engine.text_stream import IncrementalDetokenizer
 from server.app import create_app
 from server.config import ServerConfig
-from tests.fixtures.tokenizers import QWEN3_THINKING_TEMPLATE, build_tokenizer
+from tests.fixtures.tokenizers import QWEN3_THINKING_TEMPLATE
 
 OUTPUT = ("The user asks for the capital of France. That is Paris.\n</think>\n\n"
           "The capital of France is **Paris**.")
 
 
-class ScriptedThinkingEngine:
-    model_name, max_model_len, vocab_size = "qwen3-thinking-scripted", 32768, 200_000
-    model_names = (model_name,)
-    chat_template_info = ChatTemplateInfo(supports_tools=True, source=QWEN3_THINKING_TEMPLATE,
-                                          model_type="qwen3_moe")
-    sampling_defaults: dict = {}
+class ScriptedThinkingEngine(ScriptedEngine):
+    """Answers every chat with OUTPUT; logs each prompt's tail to stderr."""
 
     def __init__(self, delay: float) -> None:
-        self.tokenizer = build_tokenizer("qwen3_thinking")
-        self.delay = delay
-        self.output = OUTPUT
+        super().__init__("qwen3-thinking-scripted", "qwen3_thinking", QWEN3_THINKING_TEMPLATE, delay)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
-                                                 add_generation_prompt=True, **(template_kwargs or {}))
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
-        print(f"[scripted] prompt ({len(ids)} tokens, tools={len(tools or [])}) tail: "
-              f"{self.decode(ids[-40:], skip_special_tokens=False)!r}", file=sys.stderr, flush=True)
-        return ids
-
-    def validate(self, request: GenerationRequest) -> None:
-        pass
-
-    def generate(self, request: GenerationRequest, should_abort: Callable[[], bool]) -> Iterator[GenerationEvent]:
-        ids = self.tokenizer.encode(self.output, add_special_tokens=False)
-        detok = IncrementalDetokenizer(lambda i: self.tokenizer.decode(i, skip_special_tokens=True))
-        n = 0
-        for tid in ids:
-            if should_abort():  # as the real engine (engine/engine.py): an aborted run ends with "abort"
-                yield GenerationEvent("", (), finish_reason="abort", usage=Usage(len(request.prompt_token_ids), n))
-                return
-            if self.delay:
-                time.sleep(self.delay)
-            n += 1
-            yield GenerationEvent(detok.push(tid), (tid,))
-        yield GenerationEvent("", (), finish_reason="stop",
-                              usage=Usage(len(request.prompt_token_ids), n))
-
-    def cache_info(self) -> dict:
-        return {}
-
-    def cache_counters(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        pass
+    def answer(self, prompt: str) -> str:
+        print(f"[scripted] prompt tail: {prompt[-200:]!r}", file=sys.stderr, flush=True)
+        return OUTPUT
 
 
 def main() -> None:
