@@ -35,6 +35,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.testing import free_port
 from tests.fixtures.tokenizers import QWEN_TOOLS_TEMPLATE
+from tests.fixtures.tool_templates import HARMONY_TOOLS_TEMPLATE
 
 MODEL = "agent-scripted"
 MARK = "moe-serve-agent-ok"
@@ -49,29 +50,53 @@ CLIENT_TIMEOUT_S = 300
 
 
 class ScriptedAgentEngine(ScriptedEngine):
-    """Calls the client's shell tool once, then quotes what the tool returned; keeps every prompt."""
+    """Calls the client's shell tool once, then quotes what the tool returned; keeps every prompt.
+    `style`: "qwen" (Qwen2.5's tool calls) or "harmony" (GPT-OSS: thinking, then a call or an answer)."""
 
-    def __init__(self) -> None:
-        super().__init__(MODEL, "qwen", QWEN_TOOLS_TEMPLATE)
+    def __init__(self, style: str) -> None:
+        super().__init__(MODEL, style, TEMPLATES[style])
+        self.style = style
         self.prompts: list[str] = []
         self.answers: list[str] = []
 
     def answer(self, prompt: str) -> str:
         self.prompts.append(prompt)
-        self.answers.append(scripted_answer(prompt))
+        self.answers.append(scripted_answer(prompt, self.style))
         return self.answers[-1]
 
 
-def scripted_answer(prompt: str) -> str:
+TEMPLATES = {"qwen": QWEN_TOOLS_TEMPLATE, "harmony": HARMONY_TOOLS_TEMPLATE}
+QUOTE = "The command printed: "
+HARMONY_RESULT = re.compile(r"functions\.\w+ to=assistant<\|channel\|>commentary<\|message\|>(.*)<\|end\|>", re.S)
+QWEN_RESULT = re.compile(r"user\n<tool_response>\n(.*)\n</tool_response><\|im_end\|>\n", re.S)
+
+
+def scripted_answer(prompt: str, style: str) -> str:
     """What the scripted model writes after `prompt` (the rendered chat, special tokens kept)."""
-    last_turn = prompt.rsplit("<|im_start|>", 2)[-2]  # the turn before the generation prompt
-    result = re.search(r"<tool_response>\n(.*?)\n</tool_response>", last_turn, re.S)
-    if result:  # Codex puts a header (exit code, wall time) before the output: quote the output's last line
-        return f"The command printed: {result.group(1).strip().splitlines()[-1]}"
+    result = tool_result(prompt, style)
+    if result is not None:  # Codex puts a header (exit code, wall time) before the output: quote its last line
+        return written_as(style, f"{QUOTE}{result.strip().splitlines()[-1]}")
     for tool, arguments in SHELL_CALLS.items():
-        if f'"name": "{tool}"' in prompt:
-            return f'<tool_call>\n{json.dumps({"name": tool, "arguments": arguments})}\n</tool_call>'
-    return "Agent check."  # a request without the tools: a title or a summary
+        if f'"name": "{tool}"' in prompt or f"type {tool} = " in prompt:
+            return written_as(style, json.dumps(arguments), call_of=tool)
+    return written_as(style, "Agent check.")  # a request without the tools: a title or a summary
+
+
+def tool_result(prompt: str, style: str) -> str | None:
+    """The tool's output when the prompt's last turn is a tool result, else None."""
+    opening, pattern = ("<|start|>", HARMONY_RESULT) if style == "harmony" else ("<|im_start|>", QWEN_RESULT)
+    found = pattern.fullmatch(prompt.rsplit(opening, 2)[-2])  # the turn before the generation prompt
+    return found.group(1) if found else None
+
+
+def written_as(style: str, text: str, call_of: str | None = None) -> str:
+    """An answer `text`, or a call of `call_of` with `text` as its JSON arguments, in the template's format."""
+    if style == "qwen":
+        return f'<tool_call>\n{{"name": "{call_of}", "arguments": {text}}}\n</tool_call>' if call_of else text
+    thought = "<|channel|>analysis<|message|>The user wants the check file written.<|end|><|start|>assistant"
+    if call_of:
+        return f"{thought}<|channel|>commentary to=functions.{call_of} <|constrain|>json<|message|>{text}<|call|>"
+    return f"{thought}<|channel|>final<|message|>{text}<|return|>"
 
 
 class RouteLog:
@@ -141,7 +166,7 @@ def check_client(name: str, binary: Path, engine: ScriptedAgentEngine, url: str,
     result go back as history)."""
     run = CLIENTS[name]
     first_route = len(routes.seen)
-    quoted = f"The command printed: {MARK}"
+    quoted = f"{QUOTE}{MARK}"
     turns = []
     with tempfile.TemporaryDirectory(prefix=f"agent-{name}-") as tmp:
         home, workdir = Path(tmp, "home"), Path(tmp, "work")
@@ -159,15 +184,16 @@ def check_client(name: str, binary: Path, engine: ScriptedAgentEngine, url: str,
             turns.append({
                 "resumed": resume, "exit_code": done.returncode, "seconds": round(time.monotonic() - started, 1),
                 # the resumed turn's first prompt holds the first turn's call and result
-                "history_sent": "agent_check.txt" in history and "<tool_response>" in history if resume else None,
-                "tool_called": any(a.startswith("<tool_call>") for a in answers),
+                "history_sent": "agent_check.txt" in history and MARK in history if resume else None,
+                "tool_called": any("<tool_call>" in a or "<|call|>" in a for a in answers),
                 "file_written": written == f"{MARK}\n",
-                "result_reached_model": quoted in answers,
+                "result_reached_model": any(quoted in a for a in answers),
                 "final_output_quotes_result": quoted in done.stdout,
                 "stdout_tail": done.stdout[-400:], "stderr_tail": done.stderr[-400:],
             })
     requests = Counter(f"{m} {p} {s}" for m, p, s in routes.seen[first_route:])
-    return {"client": name, "version": version(binary), "requests": dict(requests), "turns": turns}
+    return {"client": name, "version": version(binary), "template": engine.style, "requests": dict(requests),
+            "turns": turns}
 
 
 def passed(row: dict) -> bool:
@@ -181,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--claude", type=Path, default=DEFAULT_BIN / "claude")
     ap.add_argument("--codex", type=Path, default=DEFAULT_BIN / "codex")
+    ap.add_argument("--templates", default="qwen,harmony", help="the scripted model's formats, in turn")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
     args = ap.parse_args()
     binaries = {"claude-code": args.claude, "codex": args.codex}
@@ -188,22 +215,25 @@ def main() -> None:
     if missing:
         sys.exit(f"not found: {', '.join(missing)} (npm install --prefix /tmp/agents @anthropic-ai/claude-code "
                  "@openai/codex)")
-    engine = ScriptedAgentEngine()
-    url, routes, server = start_server(engine)
-    rows = [check_client(name, binary, engine, url, routes) for name, binary in binaries.items()]
-    server.should_exit = True
+    rows = []
+    for style in args.templates.split(","):
+        engine = ScriptedAgentEngine(style)
+        url, routes, server = start_server(engine)
+        rows += [check_client(name, binary, engine, url, routes) for name, binary in binaries.items()]
+        server.should_exit = True
     for row in rows:
         row["passed"] = passed(row)
         print(json.dumps(row, indent=1))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    print("\n| client | version | requests (route status: count) | turn 1: tool ran, result reached the model "
-          "| turn 2 (resumed): the same | passed |")
-    print("|---|---|---|---|---|---|")
+    print("\n| client | version | template | requests (route status: count) | turn 1: tool ran, result reached the "
+          "model | turn 2 (resumed): the same | passed |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         requests = ", ".join(f"{k}: {v}" for k, v in row["requests"].items())
         cells = [f"{t['file_written']}, {t['result_reached_model']}" for t in row["turns"]]
-        print(f"| {row['client']} | {row['version']} | {requests} | {' | '.join(cells)} | {row['passed']} |")
+        print(f"| {row['client']} | {row['version']} | {row['template']} | {requests} | {' | '.join(cells)} | "
+              f"{row['passed']} |")
     sys.exit(0 if all(r["passed"] for r in rows) else 1)
 
 

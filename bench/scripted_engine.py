@@ -48,7 +48,8 @@ class ScriptedEngine:
     def generate(self, request: GenerationRequest, should_abort: Callable[[], bool]) -> Iterator[GenerationEvent]:
         prompt_tokens = len(request.prompt_token_ids)
         ids = self.encode(self.answer(self.decode(list(request.prompt_token_ids), skip_special_tokens=False)))
-        detokenizer = IncrementalDetokenizer(lambda i: self.tokenizer.decode(i, skip_special_tokens=True))
+        skip = request.params.skip_special_tokens  # False where the server reads markers (harmony)
+        detokenizer = IncrementalDetokenizer(lambda i: self.tokenizer.decode(i, skip_special_tokens=skip))
         for n, token_id in enumerate(ids):
             if should_abort():
                 yield GenerationEvent("", (), finish_reason="abort", usage=Usage(prompt_tokens, n))
