@@ -122,12 +122,20 @@ def token_piece(engine, token: int) -> str | list[int]:
 
 def token_bytes(symbol: str) -> bytes | None:
     """A byte-level BPE token's bytes (GPT-2's byte-to-character map undone); None for other vocabularies."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    decoder = {char: byte for byte, char in bytes_to_unicode().items()}
-    if not all(char in decoder for char in symbol):
+    if not all(char in BYTE_OF_CHAR for char in symbol):
         return None
-    return bytes(decoder[char] for char in symbol)
+    return bytes(BYTE_OF_CHAR[char] for char in symbol)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the others for the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+BYTE_OF_CHAR = _byte_of_char()
 
 
 def nothing_predicted(fmt: CompletionFormat, prompt_tokens: int, stream: bool) -> Response:
