@@ -54,7 +54,13 @@ class CompletionRequest(p.SamplingRequest):
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [
             ("n", self.num_choices != 1, "llama.cpp's routes answer one completion"),
+            ("prompt", self.several_prompts, "send one prompt per request (a list of texts is several in llama.cpp)"),
         ]
+
+    @property
+    def several_prompts(self) -> bool:
+        prompt = self.prompt
+        return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(piece, str) for piece in prompt)
 
     def _top_logprobs(self) -> int | None:
         return self.n_probs if self.n_probs else None

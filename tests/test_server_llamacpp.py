@@ -154,6 +154,8 @@ def test_props_cannot_be_changed(http):
     ("/completion", {"prompt": [1.5]}, "prompt"),
     ("/completion", {"prompt": [10**9]}, "prompt"),
     ("/completion", {"prompt": ""}, "prompt"),
+    ("/completion", {"prompt": ["one", "two"]}, "prompt"),
+    ("/completion", {"prompt": [[1, 2], [3]]}, "prompt"),
     ("/completion", {"prompt": "x", "n_predict": -2}, "n_predict"),
     ("/completion", {"prompt": "x", "n_probs": 50}, "n_probs"),
     ("/completion", {"prompt": "x", "n_probs": "3"}, "n_probs"),
