@@ -27,7 +27,7 @@ from server.serving import Serving
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
-                    "/api/generate", "/infill")
+                    "/api/generate", "/infill", "/completion", "/completions")
 OPEN_PATHS = ("/health",)  # answered without an API key
 EXPOSED_HEADERS = ("X-Moe-Serve-Warning", "Retry-After")  # what a browser page may read of an answer
 

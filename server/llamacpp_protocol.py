@@ -1,7 +1,8 @@
-"""llama.cpp's `/infill` wire types: the request editor plugins (llama.vim, llama.vscode) send, and the
-`/completion`-shaped answer they read (`content`, `timings`, `tokens_cached`, `truncated`).
+"""llama.cpp's own server API's wire types: `/completion` (a prompt used as given), `/infill` (the request
+editor plugins such as llama.vim and llama.vscode send), the `/completion`-shaped answer both give (`content`,
+`timings`, `tokens_cached`, `truncated`), `/tokenize`'s pieces and `/props`.
 
-The request takes `/completion`'s common sampling fields under llama.cpp's names (`n_predict`,
+The requests take `/completion`'s common sampling fields under llama.cpp's names (`n_predict`,
 `repeat_penalty`, `seed` -1 for a random one). Fields llama.cpp has and this server does not honour
 (`t_max_prompt_ms`, `t_max_predict_ms`, `samplers`, `n_indent`, `id_slot`, ...) are accepted and logged, as
 every unknown field is.
@@ -9,13 +10,13 @@ every unknown field is.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.api import InvalidRequestError, SamplingParams
+from engine.api import InvalidRequestError, SamplingParams, TokenLogprob, TopLogprob
 from engine.fim import ExtraFiles
 from server import protocol as p
 
@@ -31,11 +32,12 @@ class ExtraChunk(p.OpenAIBaseModel):
     text: str = ""
 
 
-class InfillRequest(p.SamplingRequest):
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraChunk] = []
-    prompt: str = ""  # the cursor line's text before the cursor: it goes on from input_prefix, as in llama.cpp
+class CompletionRequest(p.SamplingRequest):
+    """`/completion`: the prompt as text (the tokenizer's BOS added, as `/v1/completions` does), token ids, or a
+    list of both (BOS only when it starts with text, as in llama.cpp)."""
+
+    prompt: str | list[int | str] = ""
+    n_probs: int | None = None  # the top tokens' logprobs at each generated token (`completion_probabilities`)
     n_predict: int | None = None  # -1: no limit; 0: nothing generated (llama.vim warms its cache so)
     repeat_penalty: float | None = None
     cache_prompt: bool | None = None  # always on: the prefix cache keeps the prompt anyway
@@ -49,17 +51,19 @@ class InfillRequest(p.SamplingRequest):
                 return value
         return UNLIMITED
 
-    @property
-    def prefix(self) -> str:
-        return self.input_prefix + self.prompt
-
-    def files(self) -> ExtraFiles:
-        return [(chunk.filename, chunk.text) for chunk in self.input_extra]
-
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return super()._unsupported() + [
-            ("n", self.num_choices != 1, "/infill answers one completion"),
+            ("n", self.num_choices != 1, "llama.cpp's routes answer one completion"),
+            ("prompt", self.several_prompts, "send one prompt per request (a list of texts is several in llama.cpp)"),
         ]
+
+    @property
+    def several_prompts(self) -> bool:
+        prompt = self.prompt
+        return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(piece, str) for piece in prompt)
+
+    def _top_logprobs(self) -> int | None:
+        return self.n_probs if self.n_probs else None
 
     def _max_tokens(self) -> int | None:
         if self.predicted < UNLIMITED:
@@ -73,12 +77,27 @@ class InfillRequest(p.SamplingRequest):
             "repetition_penalty": self.repeat_penalty if self.repetition_penalty is None else self.repetition_penalty,
         })
         # the middle goes on from the prefix's text: its first word keeps its leading space
-        return replace(super(InfillRequest, renamed)._sampling_params(defaults), text_continues_prompt=True)
+        return replace(super(CompletionRequest, renamed)._sampling_params(defaults), text_continues_prompt=True)
 
     def _request_param(self, param: str | None) -> str | None:
         renamed = {"max_tokens": "n_predict" if self.n_predict is not None else "max_tokens",
-                   "repetition_penalty": "repeat_penalty" if self.repeat_penalty is not None else param}
+                   "repetition_penalty": "repeat_penalty" if self.repeat_penalty is not None else param,
+                   "top_logprobs": "n_probs"}
         return renamed.get(param, param)
+
+
+class InfillRequest(CompletionRequest):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = []
+    prompt: str = ""  # the cursor line's text before the cursor: it goes on from input_prefix, as in llama.cpp
+
+    @property
+    def prefix(self) -> str:
+        return self.input_prefix + self.prompt
+
+    def files(self) -> ExtraFiles:
+        return [(chunk.filename, chunk.text) for chunk in self.input_extra]
 
 
 class Timings(p.ResponseModel):
@@ -93,21 +112,50 @@ class Timings(p.ResponseModel):
     predicted_per_second: float
 
 
-class InfillChunk(p.ResponseModel):
+class TopProbability(p.ResponseModel):
+    id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+
+    @classmethod
+    def of(cls, lp: TokenLogprob | TopLogprob) -> TopProbability:
+        return cls(id=lp.token_id, token=lp.token, bytes=list(lp.token.encode()), logprob=lp.logprob)
+
+
+class TokenProbability(TopProbability):
+    """A generated token's logprob and the `n_probs` most likely tokens' in its place."""
+
+    top_logprobs: list[TopProbability]
+
+
+def probabilities(logprobs: Sequence[TokenLogprob]) -> list[TokenProbability]:
+    """llama.cpp's `completion_probabilities` of the tokens `logprobs` scores."""
+    return [TokenProbability(**TopProbability.of(lp).model_dump(), top_logprobs=[TopProbability.of(t) for t in lp.top])
+            for lp in logprobs]
+
+
+class CompletionChunk(p.ResponseModel):
     """A piece of a streamed answer."""
+
+    _omit_unless_given: ClassVar[frozenset[str]] = frozenset({"completion_probabilities"})
 
     index: int = 0
     content: str
     tokens: list[int]
     stop: Literal[False] = False
+    completion_probabilities: list[TokenProbability] | None = None  # with `n_probs`
 
 
-class InfillResponse(p.ResponseModel):
+class CompletionResponse(p.ResponseModel):
     """The whole answer, or a stream's last event (its `content` then empty)."""
+
+    _omit_unless_given: ClassVar[frozenset[str]] = frozenset({"completion_probabilities"})
 
     index: int = 0
     content: str
     tokens: list[int] = []
+    completion_probabilities: list[TokenProbability] | None = None  # with `n_probs`
     stop: Literal[True] = True
     model: str
     tokens_predicted: int
@@ -136,3 +184,60 @@ def select_fields(answer: dict[str, Any], fields: list[str]) -> SelectedFields:
         if value is not None:
             selected[path] = value
     return SelectedFields(**selected)
+
+
+class TokenPiece(p.ResponseModel):
+    """A token of `/tokenize` with `with_pieces`: its text, or its bytes where they are not whole UTF-8."""
+
+    id: int
+    piece: str | list[int]
+
+
+class TokenizeResponse(p.ResponseModel):
+    tokens: list[int] | list[TokenPiece]
+
+
+class DetokenizeResponse(p.DetokenizeResponse):
+    content: str  # llama.cpp's name for vLLM's `prompt` (the same text)
+
+
+class SlotParams(p.ResponseModel):
+    """The sampling values a `/completion` that sends none gets (the model's, from generation_config.json)."""
+
+    n_predict: int
+    seed: int = RANDOM_SEED
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    stop: list[str] = []
+    max_tokens: int
+    ignore_eos: bool = False
+    stream: bool = False
+    n_probs: int = 0
+
+
+class SlotSettings(p.ResponseModel):
+    id: int = 0
+    n_ctx: int
+    speculative: bool = False
+    is_processing: bool = False
+    params: SlotParams
+
+
+class Props(p.ResponseModel):
+    """`GET /props`: what llama.cpp's front ends read to set themselves up (context size, template)."""
+
+    default_generation_settings: SlotSettings
+    total_slots: int = 1
+    model_path: str
+    model_alias: str
+    chat_template: str
+    modalities: dict[str, bool] = {"vision": False, "audio": False}
+    build_info: str
+    bos_token: str
+    eos_token: str
+    is_sleeping: bool = False

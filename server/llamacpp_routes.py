@@ -1,7 +1,10 @@
-"""llama.cpp's `POST /infill`, for the editor plugins made for llama.cpp's server (llama.vim, llama.vscode):
-its request goes through the fill-in-the-middle pipeline `/v1/completions` with `suffix` uses, and the answer
-takes the shape of llama.cpp's `/completion` (streamed: `data:` events, the last with `stop: true` and the
-totals; no `[DONE]`, as llama.cpp sends none on this route)."""
+"""llama.cpp's own server API, for the clients made for it: `POST /completion` (and its alias `/completions`;
+SillyTavern's and other front ends' llama.cpp backend, scripts), `POST /infill` (the editor plugins llama.vim
+and llama.vscode), `GET /props`, and the llama.cpp shapes of `/tokenize` and `/detokenize` (their routes are
+vLLM's, in server/routes.py). `/completion` uses the prompt as given, tokenized as `/v1/completions` does;
+`/infill` goes through the fill-in-the-middle pipeline `/v1/completions` with `suffix` uses. Both answer in
+`/completion`'s shape (streamed: `data:` events, the last with `stop: true` and the totals; no `[DONE]`, as
+llama.cpp sends none on these routes)."""
 
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 
-from engine.api import GenerationEvent, GenerationRequest, Usage
+from engine.api import GenerationEvent, GenerationRequest, SamplingParams, Usage
+from server import VERSION
 from server import llamacpp_protocol as lp
 from server import protocol as p
 from server.json_body import StrictJSONRoute
@@ -29,20 +34,111 @@ router = APIRouter(route_class=StrictJSONRoute)  # duplicate keys and deep nesti
 MS_PER_NS = 1e-6
 
 
+@router.post("/completion")
+@router.post("/completions")  # llama.cpp's alias (not OpenAI's: that is /v1/completions)
+async def completion(body: lp.CompletionRequest, raw: Request) -> Response:
+    accept(body)
+    engine = ready_engine(raw, body.model)
+    params = body.to_sampling_params(engine.sampling_defaults)
+    prompt = await run_in_threadpool(prompt_token_ids, engine, body.prompt)
+    fmt = CompletionFormat(model_name(engine, body.model), engine.max_model_len, body.response_fields,
+                           want_probs=bool(body.n_probs))
+    return await generate(raw, fmt, body, GenerationRequest(p.random_id("cmpl"), prompt, params))
+
+
 @router.post("/infill")
 async def infill(body: lp.InfillRequest, raw: Request) -> Response:
     accept(body)
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params(engine.sampling_defaults)
     prompt, params = await fill_in_the_middle(engine, body.prefix, body.input_suffix, params, body.files())
-    fmt = InfillFormat(model_name(engine, body.model), engine.max_model_len, body.response_fields)
+    fmt = InfillFormat(model_name(engine, body.model), engine.max_model_len, body.response_fields,
+                       want_probs=bool(body.n_probs))
+    return await generate(raw, fmt, body, GenerationRequest(p.random_id("infill"), prompt, params))
+
+
+async def generate(raw: Request, fmt: CompletionFormat, body: lp.CompletionRequest,
+                   request: GenerationRequest) -> Response:
     if body.predicted == 0:  # llama.vim's cache warm-up: nothing to generate, the prompt was checked
-        return nothing_predicted(fmt, len(prompt), bool(body.stream))
-    request = GenerationRequest(p.random_id("infill"), prompt, params)
+        return nothing_predicted(fmt, len(request.prompt_token_ids), bool(body.stream))
     return await serving(raw).run(raw, fmt, request, bool(body.stream))
 
 
-def nothing_predicted(fmt: InfillFormat, prompt_tokens: int, stream: bool) -> Response:
+def prompt_token_ids(engine, prompt: str | list[int | str]) -> list[int]:
+    """A text is tokenized as `/v1/completions` tokenizes it (the tokenizer's special tokens added: its BOS);
+    a list's texts without them, but for a first one (llama.cpp adds its BOS where the list starts with text)."""
+    if isinstance(prompt, str):
+        return engine.encode(prompt)
+    ids: list[int] = []
+    for i, piece in enumerate(prompt):
+        ids.extend(engine.encode(piece, add_special_tokens=i == 0) if isinstance(piece, str) else [piece])
+    return ids
+
+
+@router.get("/props")
+async def props(raw: Request) -> JSONResponse:
+    """Read only: llama.cpp's `POST /props` (started with `--props`) has nothing this server could change."""
+    engine = ready_engine(raw)
+    tokenizer = engine.tokenizer
+    settings = lp.SlotSettings(n_ctx=engine.max_model_len, params=default_params(engine))
+    template = getattr(tokenizer, "chat_template", None)
+    answer = lp.Props(default_generation_settings=settings, model_path=engine.config.model or engine.model_name,
+                      model_alias=engine.model_name, chat_template=template if isinstance(template, str) else "",
+                      build_info=f"moe-serve {VERSION}", bos_token=tokenizer.bos_token or "",
+                      eos_token=tokenizer.eos_token or "")
+    return JSONResponse(answer.model_dump())
+
+
+def default_params(engine) -> lp.SlotParams:
+    """What a `/completion` that sends no sampling field gets: the model's defaults (generation_config.json)."""
+    defaults = SamplingParams(**engine.sampling_defaults)
+    n_predict = engine.max_new_tokens or lp.UNLIMITED
+    return lp.SlotParams(n_predict=n_predict, max_tokens=n_predict, temperature=defaults.temperature,
+                         top_k=defaults.top_k, top_p=defaults.top_p, min_p=defaults.min_p,
+                         repeat_penalty=defaults.repetition_penalty, presence_penalty=defaults.presence_penalty,
+                         frequency_penalty=defaults.frequency_penalty, stop=list(defaults.stop))
+
+
+def tokenized(engine, content: str, add_special: bool, with_pieces: bool) -> lp.TokenizeResponse:
+    """`/tokenize` in llama.cpp's shape: the text's tokens (the BOS first with `add_special`), each with its
+    piece with `with_pieces`."""
+    tokens = engine.encode(content, add_special_tokens=add_special)
+    if not with_pieces:
+        return lp.TokenizeResponse(tokens=tokens)
+    return lp.TokenizeResponse(tokens=[lp.TokenPiece(id=t, piece=token_piece(engine, t)) for t in tokens])
+
+
+def token_piece(engine, token: int) -> str | list[int]:
+    """A token's text; where it is a part of a character (byte-level BPE), its bytes, as llama.cpp gives them."""
+    text = engine.decode([token], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text
+    raw = token_bytes(engine.tokenizer.convert_ids_to_tokens(token))
+    try:
+        return raw.decode() if raw is not None else text
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def token_bytes(symbol: str) -> bytes | None:
+    """A byte-level BPE token's bytes (GPT-2's byte-to-character map undone); None for other vocabularies."""
+    if not all(char in BYTE_OF_CHAR for char in symbol):
+        return None
+    return bytes(BYTE_OF_CHAR[char] for char in symbol)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the others for the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
+def nothing_predicted(fmt: CompletionFormat, prompt_tokens: int, stream: bool) -> Response:
     """The answer to `n_predict: 0`, at once: no token generated, the prompt counted."""
     outcome = TimedOutcome(finish_reason="length", usage=Usage(prompt_tokens, 0))
     if not stream:
@@ -55,16 +151,17 @@ def nothing_predicted(fmt: InfillFormat, prompt_tokens: int, stream: bool) -> Re
 
 
 @dataclass
-class InfillFormat(DataEvents):
-    """The `Format` (server/serving.py) of `/infill`: one choice, llama.cpp's `/completion` fields."""
+class CompletionFormat(DataEvents):
+    """The `Format` (server/serving.py) of `/completion`: one choice, llama.cpp's `/completion` fields."""
 
-    prompt_param: ClassVar[str] = "input_prefix"
+    prompt_param: ClassVar[str] = "prompt"
     done_marker: ClassVar[str | None] = None
     model: str
     max_model_len: int
     response_fields: list[str] | None = None
+    want_probs: bool = False  # `n_probs`: `completion_probabilities` in every piece and the whole answer
 
-    def choice(self, index: int) -> InfillFormat:
+    def choice(self, index: int) -> CompletionFormat:
         return self
 
     def outcome(self) -> Outcome:
@@ -74,7 +171,12 @@ class InfillFormat(DataEvents):
         return []
 
     def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
-        return [lp.InfillChunk(content=event.text, tokens=list(event.token_ids))] if event.text else []
+        if not (event.text or (self.want_probs and event.logprobs)):
+            return []
+        chunk = lp.CompletionChunk(content=event.text, tokens=list(event.token_ids))
+        if self.want_probs:
+            chunk.completion_probabilities = lp.probabilities(event.logprobs)
+        return [chunk]
 
     def finish(self, outcome: Outcome) -> list[BaseModel]:
         return [self.final(outcome, "")]
@@ -85,20 +187,29 @@ class InfillFormat(DataEvents):
     def response(self, outcomes: list[Outcome]) -> BaseModel:
         (outcome,) = outcomes
         answer = self.final(outcome, outcome.text)
+        if self.want_probs:
+            answer.completion_probabilities = lp.probabilities(outcome.logprobs)
         if self.response_fields is None:
             return answer
         return lp.select_fields(answer.model_dump(exclude_unset=True), self.response_fields)
 
-    def final(self, outcome: TimedOutcome, content: str) -> lp.InfillResponse:
+    def final(self, outcome: TimedOutcome, content: str) -> lp.CompletionResponse:
         """The answer's totals with `content` (a stream's last event: empty)."""
         usage = outcome.usage or Usage(0, 0)
-        return lp.InfillResponse(
+        return lp.CompletionResponse(
             content=content, model=self.model, tokens_predicted=usage.completion_tokens,
             tokens_evaluated=usage.prompt_tokens, tokens_cached=usage.cached_tokens,
             stop_type=stop_type(outcome), stopping_word=outcome.stop_sequence or "",
             truncated=outcome.finish_reason == "length" and usage.prompt_tokens + usage.completion_tokens
             >= self.max_model_len,
             timings=timings(outcome, usage))
+
+
+@dataclass
+class InfillFormat(CompletionFormat):
+    """`/infill`'s: `/completion`'s, its prompt in `input_prefix`."""
+
+    prompt_param: ClassVar[str] = "input_prefix"
 
 
 def stop_type(outcome: Outcome) -> lp.StopType:

@@ -570,11 +570,15 @@ CompletionStreamResponse = CompletionResponse  # OpenAI streams the same object,
 # -- /tokenize, /detokenize (vLLM's and llama.cpp's, for clients that count tokens) ----------------
 class TokenizeRequest(OpenAIBaseModel):
     """A completion prompt (its ids as /v1/completions sees them) or chat messages (through the model's
-    chat template, with the generation prompt, as /v1/chat/completions sees them)."""
+    chat template, with the generation prompt, as /v1/chat/completions sees them); or llama.cpp's `content`
+    (its own tokens, the BOS only with `add_special`), answered in llama.cpp's shape."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+    content: str | None = None
+    add_special: bool = False
+    with_pieces: bool = False
 
 
 class TokenizeResponse(ResponseModel):

@@ -13,6 +13,8 @@ from starlette.concurrency import run_in_threadpool
 from engine.api import EchoedPrompt, GenerationRequest, InvalidRequestError
 from server import protocol as p
 from server.json_body import StrictJSONRoute
+from server.llamacpp_protocol import DetokenizeResponse
+from server.llamacpp_routes import tokenized
 from server.pipeline import (
     accept,
     fill_in_the_middle,
@@ -89,6 +91,11 @@ async def retrieve_model(model_id: str, raw: Request) -> p.ModelCard:
 async def tokenize(body: p.TokenizeRequest, raw: Request) -> JSONResponse:
     accept(body)
     engine = ready_engine(raw, body.model)
+    if body.content is not None:  # llama.cpp's request
+        if body.prompt is not None or body.messages is not None:
+            raise InvalidRequestError("send `content` (llama.cpp's) or `prompt`/`messages`, not both", param="content")
+        answer = await run_in_threadpool(tokenized, engine, body.content, body.add_special, body.with_pieces)
+        return JSONResponse(answer.model_dump())
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("send either `prompt` or `messages`", param="prompt")
     if body.messages is not None:
@@ -106,7 +113,7 @@ async def detokenize(body: p.DetokenizeRequest, raw: Request) -> JSONResponse:
     if any(not 0 <= t < engine.vocab_size for t in body.tokens):
         raise InvalidRequestError(f"tokens must be ids in [0, {engine.vocab_size})", param="tokens")
     text = await run_in_threadpool(engine.decode, body.tokens)
-    return JSONResponse(p.DetokenizeResponse(prompt=text).model_dump())
+    return JSONResponse(DetokenizeResponse(prompt=text, content=text).model_dump())  # vLLM's name and llama.cpp's
 
 
 @router.get("/v1/expert-cache")
