@@ -7,6 +7,7 @@ prefill + decode loop over a KV cache; no `model.generate` on the hot path.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -422,7 +423,8 @@ class Engine:
         """The prefill of the whole prompt (no kept prefix) with logits at every position, fed in chunks of
         positions whose logits are scored and dropped before the next forward: the last position's logits
         [V], the KV cache, and the prompt tokens' logprobs. At most [SCORING_CHUNK, V] logits exist at once."""
-        text = scoring.memoized(self._token_text)  # shared by the chunks
+        # a prompt repeats its tokens, its top alternatives more: each decoded once, across the chunks
+        text = functools.cache(self._token_text)
         scored: list[TokenLogprob | None] = [None]  # nothing predicts the first token
         kv, start = None, 0
         while True:

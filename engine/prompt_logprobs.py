@@ -21,18 +21,6 @@ SCORING_CHUNK = 512
 POSITIONS_PER_CHUNK = 128
 
 
-def memoized(decode: Callable[[int], str]) -> Callable[[int], str]:
-    """`decode` with a memo: a prompt repeats its tokens, and its top alternatives even more."""
-    texts: dict[int, str] = {}
-
-    def text(token_id: int) -> str:
-        if token_id not in texts:
-            texts[token_id] = decode(token_id)
-        return texts[token_id]
-
-    return text
-
-
 def score_rows(
     logits: torch.Tensor, targets: list[int], top: int, text: Callable[[int], str]
 ) -> list[TokenLogprob]:
