@@ -7,6 +7,7 @@ prefill + decode loop over a KV cache; no `model.generate` on the hot path.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from cache.miss_planner import MissCosts, MissPlanner
 from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
 from cache.quant import DEFAULT_GROUP_SIZE, QUANT_DTYPES, QuantLayout
 from cache.trace import TraceWriter
+from engine import prompt_logprobs as scoring
 from engine.api import (
     ContextLengthError,
     DeviceMemoryError,
@@ -49,8 +51,7 @@ from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_conte
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
 from engine.moe_layers import router_top_k
 from engine.paths import default_eamc_path, default_quant_path
-from engine.prefix_cache import HostTier, PrefixCache
-from engine.prompt_logprobs import prompt_logprobs
+from engine.prefix_cache import HostTier, PrefixCache, reusable
 from engine.sampling import Sampler, token_logprob
 from engine.text_stream import IncrementalDetokenizer, StopStringMatcher
 from engine.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -349,8 +350,7 @@ class Engine:
                         self.prefix_cache.make_room(len(tokens))
                     scored = None  # the prompt's logprobs, when asked: on the first event
                     if times.tokens == 0 and params.prompt_logprobs is not None:
-                        logits, kv, scored = self._prefill_scoring_prompt(prompt, input_ids,
-                                                                          params.prompt_logprobs)
+                        logits, kv, scored = self._prefill_scoring_prompt(prompt, params.prompt_logprobs)
                         if max_tokens == 0:
                             self._keep_prefix(tokens, kv)
                             yield GenerationEvent("", finish_reason="length", prompt_logprobs=scored,
@@ -418,15 +418,35 @@ class Engine:
         return out.logits[0, -1], out.cache
 
     def _prefill_scoring_prompt(
-        self, prompt: list[int], input_ids: torch.Tensor, top: int
+        self, prompt: list[int], top: int
     ) -> tuple[torch.Tensor, Cache, tuple[TokenLogprob | None, ...]]:
-        """The prefill of the whole prompt (no kept prefix) with logits at every position: the last
-        position's logits [V], the KV cache, and the prompt tokens' logprobs. The [T, V] logits (in the
-        model's dtype) live only within this call."""
-        out = self.model(input_ids=input_ids, cache=None, use_cache=True, logits_to_keep=0)
-        logits = out.logits[0]  # [T, V']
-        scored = prompt_logprobs(logits[:-1, : self.vocab_size], prompt, top, self._token_text)
-        return logits[-1].clone(), out.cache, scored  # a copy: the [T, V'] logits can go
+        """The prefill of the whole prompt (no kept prefix) with logits at every position, fed in chunks of
+        positions whose logits are scored and dropped before the next forward: the last position's logits
+        [V], the KV cache, and the prompt tokens' logprobs. At most [SCORING_CHUNK, V] logits exist at once."""
+        # a prompt repeats its tokens, its top alternatives more: each decoded once, across the chunks
+        text = functools.cache(self._token_text)
+        scored: list[TokenLogprob | None] = [None]  # nothing predicts the first token
+        kv, start = None, 0
+        while True:
+            end = self._scoring_chunk_end(start, len(prompt), kv)
+            input_ids = torch.tensor([prompt[start:end]], dtype=torch.long, device=self.device)  # [1, C]
+            out = self.model(input_ids=input_ids, cache=kv, use_cache=True, logits_to_keep=0)
+            logits, kv = out.logits[0], out.cache  # [C, V']
+            targets = prompt[start + 1 : end + 1]  # row i predicts prompt token start + i + 1
+            scored += scoring.score_rows(logits[: len(targets), : self.vocab_size], targets, top, text)
+            if end == len(prompt):
+                # the last row predicts the first generated token; a copy, so the chunk's logits can go
+                return logits[-1].clone(), kv, tuple(scored)
+            del out, logits  # before the next chunk's forward makes its own
+            start = end
+
+    @staticmethod
+    def _scoring_chunk_end(start: int, length: int, kv: Cache | None) -> int:
+        """Where the scoring chunk from `start` ends. A family's own cache class (`reusable` says which
+        are known) is not known to take a multi-token forward after a prefix: the rest goes in one."""
+        if kv is not None and not reusable(kv):
+            return length
+        return min(start + scoring.SCORING_CHUNK, length)
 
     def _step_event(self, token, logits, params: SamplingParams, detokenizer, stops) -> GenerationEvent:
         logprobs = ()

@@ -115,3 +115,82 @@ def test_echoed_prompt_offsets_point_into_its_text(family_engine):
     assert list(echo.offsets) == sorted(echo.offsets) and echo.offsets[-1] < len(echo.text)
     # from the second word on (a BOS is not in the text; SentencePiece drops the first word's space)
     assert all(echo.text.startswith(echo.tokens[i], echo.offsets[i]) for i in range(2, len(prompt)))
+
+
+CHUNK = 3  # SCORING_CHUNK lowered so that a test prompt spans several chunks
+
+
+def record_forwards(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
+    """(positions fed, logits rows returned) of each model forward from now on."""
+    calls: list[tuple[int, int]] = []
+    model = engine.model
+
+    def recording(*args, **kwargs):
+        out = model(*args, **kwargs)
+        calls.append((kwargs["input_ids"].shape[1], out.logits.shape[1]))
+        return out
+
+    monkeypatch.setattr(engine, "model", recording)
+    return calls
+
+
+def assert_matches_reference(scored, model, prompt: list[int]) -> None:
+    expected = reference_logprobs(model, prompt)
+    assert len(scored) == len(prompt) and scored[0] is None
+    for i in range(1, len(prompt)):
+        assert scored[i].token_id == prompt[i]
+        assert scored[i].logprob == pytest.approx(expected[i - 1, prompt[i]].item(), abs=TOLERANCE)
+        values, ids = torch.topk(expected[i - 1], TOP)
+        assert [t.token_id for t in scored[i].top] == ids.tolist()
+        assert [t.logprob for t in scored[i].top] == pytest.approx(values.tolist(), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2], ids=["multiple", "one-token last chunk", "two-token last chunk"])
+def test_prompt_scored_in_chunks_of_positions_matches_transformers(family_engine, monkeypatch, extra):
+    engine, model = family_engine
+    prompt = engine.encode(TEXT)
+    prompt = prompt[: (len(prompt) - 2) // CHUNK * CHUNK + extra]  # a multiple of the chunk, or past it
+    assert len(prompt) > 3 * CHUNK and len(prompt) % CHUNK == extra
+    plain = generate(engine, prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(scoring, "SCORING_CHUNK", CHUNK)
+    calls = record_forwards(engine, monkeypatch)
+    events = generate(engine, prompt, max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=TOP)
+    chunks = -(-len(prompt) // CHUNK)
+    assert [n for n, _ in calls[:chunks]] == [CHUNK] * (len(prompt) // CHUNK) + [extra] * (extra > 0)
+    assert_matches_reference(events[0].prompt_logprobs, model, prompt)
+    assert [e.token_ids for e in events] == [e.token_ids for e in plain]  # the last chunk's last row, the KV cache
+
+
+def test_scoring_never_holds_more_than_a_chunk_of_logits(family_engine, monkeypatch):
+    engine, _ = family_engine
+    prompt = engine.encode(TEXT)
+    monkeypatch.setattr(scoring, "SCORING_CHUNK", CHUNK)
+    calls = record_forwards(engine, monkeypatch)
+    (event,) = generate(engine, prompt, max_tokens=0, prompt_logprobs=1)
+    assert len(event.prompt_logprobs) == len(prompt)
+    assert len(calls) == -(-len(prompt) // CHUNK)  # every forward a scoring one (max_tokens=0)
+    assert sum(n for n, _ in calls) == len(prompt)
+    assert all(n <= CHUNK and rows == n for n, rows in calls)  # never the [T, V] logits
+
+
+@pytest.mark.parametrize("family, forwards", [("qwen3_next", "chunks"), ("minimax", "one after the first")])
+def test_scoring_chunks_after_a_linear_attention_prefix_and_not_after_a_family_cache(
+    family, forwards, tmp_path, monkeypatch
+):
+    """Linear-attention layers in transformers' own cache take a multi-token forward after a prefix (a
+    chat's next turn does it); MiniMax's own cache class is not known to, so the rest of its prompt goes
+    in one forward after the first chunk."""
+    folder = build_checkpoint(family, tmp_path / family, num_layers=2)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+    prompt = engine.encode(TEXT)
+    plain = generate(engine, prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(scoring, "SCORING_CHUNK", CHUNK)
+    calls = record_forwards(engine, monkeypatch)
+    events = generate(engine, prompt, max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=TOP)
+    scoring_calls = [n for n, _ in calls[: len(calls) - 2]]  # the last two forwards decode
+    if forwards == "chunks":
+        assert scoring_calls == [CHUNK] * (len(prompt) // CHUNK) + [len(prompt) % CHUNK] * (len(prompt) % CHUNK > 0)
+    else:
+        assert scoring_calls == [CHUNK, len(prompt) - CHUNK]
+    assert_matches_reference(events[0].prompt_logprobs, load_reference(folder), prompt)
+    assert [e.token_ids for e in events] == [e.token_ids for e in plain]
