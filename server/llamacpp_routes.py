@@ -51,7 +51,8 @@ async def infill(body: lp.InfillRequest, raw: Request) -> Response:
     accept(body)
     engine = ready_engine(raw, body.model)
     params = body.to_sampling_params(engine.sampling_defaults)
-    prompt, params = await fill_in_the_middle(engine, body.prefix, body.input_suffix, params, body.files())
+    prompt, params = await fill_in_the_middle(engine, body.prefix, body.input_suffix, params, body.files(),
+                                              suffix_param="input_suffix")
     fmt = InfillFormat(model_name(engine, body.model), engine.max_model_len, body.response_fields,
                        want_probs=bool(body.n_probs))
     return await generate(raw, fmt, body, GenerationRequest(p.random_id("infill"), prompt, params))

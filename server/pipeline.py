@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.api import EngineUnavailableError, SamplingParams
+from engine.api import EngineUnavailableError, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
 from engine.fim import ExtraFiles
 from server import protocol as p
@@ -118,10 +118,15 @@ def with_tool_warning(response: Response, plan: ChatPlan, request_id: str, other
     return response
 
 
-async def fill_in_the_middle(engine, prefix: str, suffix: str, params: SamplingParams,
-                             files: ExtraFiles = ()) -> tuple[list[int], SamplingParams]:
+async def fill_in_the_middle(engine, prefix: str, suffix: str, params: SamplingParams, files: ExtraFiles = (),
+                             suffix_param: str = "suffix") -> tuple[list[int], SamplingParams]:
     """The fill-in-the-middle prompt for the code around the cursor (after other `files` of the project, as
     context), and `params` that also end at the format's tokens (they never belong in a middle); a model
-    without FIM tokens: a 400 naming `suffix`."""
-    prompt = await run_in_threadpool(engine.fim_prompt, prefix, suffix, files)
+    without FIM tokens: a 400 naming `suffix_param` (the request's name for the suffix)."""
+    try:
+        prompt = await run_in_threadpool(engine.fim_prompt, prefix, suffix, files)
+    except InvalidRequestError as e:
+        if e.param != "suffix":
+            raise
+        raise InvalidRequestError(str(e), param=suffix_param, code=e.code) from None
     return prompt, replace(params, stop_token_ids=engine.fim_stop_ids)

@@ -178,3 +178,4 @@ def test_a_model_without_fim_tokens_is_a_400(tmp_path):
         answer = client.post("/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4})
     assert answer.status_code == 400
     assert "no fill-in-the-middle tokens" in answer.json()["error"]["message"]
+    assert answer.json()["error"]["param"] == "input_suffix"
