@@ -733,6 +733,14 @@ def test_tokenize_gives_the_ids_each_endpoint_sees_and_detokenize_reverses_them(
     assert text == tokenizer.decode(prompt["tokens"], skip_special_tokens=True) and "Hello there, friend" in text
 
 
+def test_llama_cpp_s_tokenize_adds_the_bos_only_when_asked(http, tokenizer):
+    """llama.cpp's shape (`content`) on a tokenizer with a BOS (Mixtral's): `add_special` adds it."""
+    plain = tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    assert http.post("/tokenize", json={"content": "Hello there"}).json() == {"tokens": plain}
+    special = http.post("/tokenize", json={"content": "Hello there", "add_special": True}).json()["tokens"]
+    assert special == [tokenizer.bos_token_id, *plain]
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
