@@ -41,15 +41,7 @@ def test_prompt_logprobs_match_transformers_with_top_alternatives(family_engine)
     engine, model = family_engine
     prompt = engine.encode(TEXT)
     events = generate(engine, prompt, max_tokens=2, temperature=0, prompt_logprobs=TOP, ignore_eos=True)
-    scored = events[0].prompt_logprobs
-    expected = reference_logprobs(model, prompt)
-    assert len(scored) == len(prompt) and scored[0] is None
-    for i in range(1, len(prompt)):
-        assert scored[i].token_id == prompt[i]
-        assert scored[i].logprob == pytest.approx(expected[i - 1, prompt[i]].item(), abs=TOLERANCE)
-        values, ids = torch.topk(expected[i - 1], TOP)
-        assert [t.token_id for t in scored[i].top] == ids.tolist()
-        assert [t.logprob for t in scored[i].top] == pytest.approx(values.tolist(), abs=TOLERANCE)
+    assert_matches_reference(events[0].prompt_logprobs, model, prompt)
     assert all(e.prompt_logprobs is None for e in events[1:])  # only on the first event
 
 

@@ -11,29 +11,13 @@ import httpx
 import pytest
 
 from server.testing import sse_json
+from tests import test_server_infill as infill
 from tests.test_server_fim import MODEL
 from tests.test_server_infill import completion_of, forced, text_ids
 
 PROMPT = "def fibonacci(n):\n    "
 GREEDY = {"temperature": 0, "n_predict": 8}
-
-
-@pytest.fixture(scope="module")
-def server(qwen_coder_server):
-    return qwen_coder_server
-
-
-@pytest.fixture(scope="module")
-def tokenizer(qwen_coder_checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen_coder_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http(timeout=120) as client:
-        yield client
+server, tokenizer, http = infill.server, infill.tokenizer, infill.http  # the same fixtures, the same server
 
 
 def completion(http: httpx.Client, path: str = "/completion", **body) -> dict:
