@@ -236,8 +236,13 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _check_prompt_ids(self, ids: list[int]) -> None:
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+
     def echoed_prompt(self, ids: list[int]) -> EchoedPrompt:
         """The prompt's text and its tokens' texts and offsets in it, for a completion that echoes it."""
+        self._check_prompt_ids(ids)  # echoed before the request is validated
         detokenizer = IncrementalDetokenizer(self.decode)
         offsets, emitted = [], 0
         for token_id in ids:
@@ -290,8 +295,7 @@ class Engine:
         prompt, params = request.prompt_token_ids, request.params
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        self._check_prompt_ids(prompt)
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]

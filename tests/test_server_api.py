@@ -425,6 +425,9 @@ ERRORS = [
     ("batch-of-65", "/v1/completions", {"prompt": ["a"] * 65}, 400, None, "prompt"),  # MAX_BATCH is 64
     ("batch-with-suffix", "/v1/completions", {"prompt": ["a", "b"], "suffix": "c"}, 400, None, "suffix"),
     ("echo-with-suffix", "/v1/completions", {"prompt": "a", "echo": True, "suffix": "b"}, 400, None, "echo"),
+    # the prompt is echoed before generation validates it: a bad id was a 500 (found by schemathesis)
+    ("echo-bad-token-id", "/v1/completions", {"prompt": [[-1]], "echo": True}, 400, None, "prompt"),
+    ("echo-token-id-past-vocab", "/v1/completions", {"prompt": [5, 10**9], "echo": True}, 400, None, "prompt"),
     ("suffix-no-fim-tokens", "/v1/completions", {"prompt": "def f(", "suffix": "):"}, 400, None, "suffix"),
     ("suffix-token-prompt", "/v1/completions", {"prompt": [1, 2], "suffix": ""}, 400, None, "suffix"),
     # every field's type and range is checked before the engine sees it (these were 500s or nonsense)
