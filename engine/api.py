@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+Pooling = Literal["mean", "last"]  # how an embedding request's last hidden states [T, H] become one vector
+POOLINGS: tuple[Pooling, ...] = ("mean", "last")
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; chat front ends add a few per role name and template
 MAX_STOP_CHARS = 256  # each stop string: checked against the text held back at every token
@@ -148,6 +150,9 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # an embedding instead of a completion: the model's last hidden states over the prompt, pooled (mean: the
+    # average over every position; last: the last position's), on the only event; no token is sampled
+    pooling: Pooling | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,7 @@ class GenerationEvent:
     stop_sequence: str | None = None  # on a "stop" event: the stop string that ended it; None: end of sequence
     # on the first event when SamplingParams.prompt_logprobs asked: one per prompt token, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # [H], on the only event of a request with `pooling`
 
 
 def supported_families() -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from cache.quant import DEFAULT_GROUP_SIZE, QUANT_DTYPES, QuantLayout
 from cache.trace import TraceWriter
 from engine import prompt_logprobs as scoring
 from engine.api import (
+    POOLINGS,
     ContextLengthError,
     DeviceMemoryError,
     EchoedPrompt,
@@ -92,6 +93,7 @@ class Engine:
         self.model_names = config.served_names or (config.model or DEMO_MODEL_NAME,)  # any may be sent
         self.model_name = self.model_names[0]  # the one responses carry
         self.vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
+        self.hidden_size = loaded.model.get_input_embeddings().weight.shape[1]  # an embedding's length
         self.max_model_len = config.max_model_len or loaded.max_context or model_max_len(loaded.config)
         # with the running request, at most one context's KV cache: what the device sizing set aside
         self.prefix_cache = (PrefixCache(config.prefix_cache, self.max_model_len, _prefix_host_tier(config, device))
@@ -312,6 +314,10 @@ class Engine:
             raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})",
                                       param="thinking_budget")
         wanted = len(prompt) + (1 if params.max_tokens is None else params.max_tokens)
+        if request.pooling is not None:  # an embedding samples nothing
+            if request.pooling not in POOLINGS:
+                raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
+            wanted = len(prompt)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
 
@@ -338,6 +344,9 @@ class Engine:
         try:
             with torch.inference_mode():
                 # None: the model makes its family's own cache (sliding window, linear attention, ...)
+                if request.pooling is not None:
+                    yield self._embedding_event(request)
+                    return
                 kv, cached = self._reused_prefix(prompt, params)
                 tokens = list(prompt)  # what the KV cache holds once `input_ids` are fed: the prompt, the answer
                 input_ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=self.device)  # [1, T]
@@ -443,6 +452,30 @@ class Engine:
                 return logits[-1].clone(), kv, tuple(scored)
             del out, logits  # before the next chunk's forward makes its own
             start = end
+
+    def _embedding_event(self, request: GenerationRequest) -> GenerationEvent:
+        """An embedding request's only event: the prompt's last hidden states (after the model's final norm)
+        pooled into one float32 vector [H]. The whole prompt is computed (no kept prefix: every position's
+        states are needed), in chunks like a scored prompt, so only [chunk, H] states exist at once."""
+        prompt, decoder = request.prompt_token_ids, self.model.base_model
+        self.prompt_tokens += len(prompt)
+        if self.prefix_cache is not None:
+            self.prefix_cache.make_room(len(prompt))
+        kv, start, total = None, 0, None
+        while True:
+            end = self._scoring_chunk_end(start, len(prompt), kv)
+            input_ids = torch.tensor([prompt[start:end]], dtype=torch.long, device=self.device)  # [1, C]
+            out = decoder(input_ids=input_ids, cache=kv, use_cache=True)
+            hidden, kv = out.last_hidden_state[0].float(), out.cache  # [C, H]
+            total = hidden.sum(0) if total is None else total + hidden.sum(0)  # [H]
+            if end == len(prompt):
+                break
+            start = end
+        pooled = total / len(prompt) if request.pooling == "mean" else hidden[-1]
+        self.last_times.end = time.perf_counter()
+        log.info("request %s: the embedding of %d prompt tokens, %.2f s", request.request_id, len(prompt),
+                 self.last_times.end - self.last_times.start)
+        return GenerationEvent("", finish_reason="stop", usage=Usage(len(prompt), 0), embedding=tuple(pooled.tolist()))
 
     @staticmethod
     def _scoring_chunk_end(start: int, length: int, kv: Cache | None) -> int:

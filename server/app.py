@@ -156,6 +156,7 @@ def create_app(
     app.state.fingerprint = SYSTEM_FINGERPRINT
     app.state.tool_call_parser = server_config.tool_call_parser
     app.state.reasoning_parser = server_config.reasoning_parser
+    app.state.pooling = server_config.pooling
     budget = server_config.reasoning_budget
     app.state.reasoning_budget = None if budget < 0 else budget  # None: unlimited
     app.state.started = int(time.time())

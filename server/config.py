@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from engine.api import POOLINGS
 from engine.config import CPU_EXPERTS, DTYPES, EXPERT_DTYPES, POLICY_NAMES, EngineConfig
 from server import VERSION
 from server.reasoning import REASONING_PARSERS
@@ -43,6 +44,7 @@ class ServerConfig:
     reasoning_budget: int = -1  # thinking tokens per answer, then the block is closed; -1: unlimited
     max_request_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are read whole
     drain_timeout: float = 20.0  # on shutdown, seconds running requests get to finish before they are aborted
+    pooling: str = "mean"  # how an embedding request's last hidden states become one vector (engine.api.POOLINGS)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -67,6 +69,8 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"not {self.reasoning_parser!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
 
     @property
     def is_loopback(self) -> bool:
@@ -207,6 +211,9 @@ FLAGS: tuple[Flag, ...] = (
          "<think>...</think> block; then the server closes the block and the model answers. -1: unlimited, "
          "0: no thinking. A request's thinking_token_budget (chat) or thinking.budget_tokens (Anthropic) wins; "
          "ignored for models without such a block (GPT-OSS)", "N"),
+    Flag("--pooling", ServerConfig, str, "how /v1/embeddings and Ollama's /api/embed make one vector of an input: "
+         "mean (the average of the model's last hidden states over its tokens) or last (the last token's, for "
+         "models trained to embed that way); the vector is L2-normalized", choices=POOLINGS),
 )
 FLAGS_BY_FIELD = {flag.field: flag for flag in FLAGS}
 # one size in two units: `--expert-cache-experts 40` overrides a preset's `expert_cache_gb: 18`

@@ -74,12 +74,23 @@ class StrictJSONRequest(Request):
 
 
 class StrictJSONRoute(APIRoute):
-    """A route whose JSON body is read with `loads_strict` (FastAPI answers its errors as invalid JSON)."""
+    """A route whose JSON body is read with `loads_strict` (FastAPI answers its errors as invalid JSON).
+
+    The body is read as JSON whatever its Content-Type, as Ollama and llama.cpp read theirs: their docs' curl
+    examples (`curl URL -d '{...}'`) send `application/x-www-form-urlencoded`, and scripts often send none,
+    which FastAPI would not parse. A web page cannot abuse that (a "simple" cross-site request needs no
+    preflight): the server refuses every request from an origin it does not allow (server/origins.py)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def strict_handler(request: Request):
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            return await handler(StrictJSONRequest(_read_as_json(request.scope), request.receive))
 
         return strict_handler
+
+
+def _read_as_json(scope: dict) -> dict:
+    """The request's scope with `Content-Type: application/json`, whatever it was sent with."""
+    headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}

@@ -1,5 +1,5 @@
-"""Ollama's native API wire types (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`,
-`/api/version`), in Ollama's shapes (docs/api.md of ollama/ollama).
+"""Ollama's native API wire types (`/api/chat`, `/api/generate`, `/api/embed`, `/api/embeddings`, `/api/tags`,
+`/api/show`, `/api/ps`, `/api/version`), in Ollama's shapes (docs/api.md of ollama/ollama).
 
 Requests are read as OpenAI's are (`OpenAIBaseModel`: unknown fields logged and ignored, strict
 types). What this server cannot take (images, a request's `template`) parses here and is refused, by name,
@@ -95,6 +95,28 @@ class GenerateRequest(GeneratingRequest):
     raw: bool | None = False
     template: str | None = None  # refused: the template comes from the model
     context: list[int] | None = None  # deprecated by Ollama; ignored (logged)
+
+
+class EmbedRequest(OpenAIBaseModel):
+    """`/api/embed`: one text or several; an input longer than the context is cut to it unless `truncate` is
+    false. An empty list embeds nothing (a client loading the model)."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+    options: Options | None = None  # nothing in them changes an embedding: ignored
+    keep_alive: str | int | float | None = None  # the model stays loaded anyway
+
+
+class EmbeddingsRequest(OpenAIBaseModel):
+    """`/api/embeddings` (Ollama's older route): one `prompt`; its vector is not normalized. An empty prompt
+    embeds nothing (a client loading the model)."""
+
+    model: str = Field(min_length=1)
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: str | int | float | None = None
 
 
 class ShowRequest(OpenAIBaseModel):
@@ -193,6 +215,18 @@ class GenerateReply(_Reply):
     _omit_unless_given = _Reply._omit_unless_given | {"thinking"}
     response: str = ""
     thinking: str | None = None
+
+
+class EmbedReply(ResponseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int = 0
+    prompt_eval_count: int
+
+
+class EmbeddingsReply(ResponseModel):
+    embedding: list[float]
 
 
 class ErrorResponse(ResponseModel):

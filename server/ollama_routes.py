@@ -1,5 +1,5 @@
-"""The routes of Ollama's native API, translated into the chat pipeline (server/ollama_messages.py), and
-what its clients probe: the model list, the running model, the version, `/`."""
+"""The routes of Ollama's native API, translated into the chat pipeline (server/ollama_messages.py), its
+embeddings (server/embeddings.py), and what its clients probe: the model list, the running model, the version, `/`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.api import GenerationRequest, InvalidRequestError
 from server import VERSION, ollama_context, ollama_messages, ollama_models
+from server import embeddings as emb
 from server import ollama_protocol as ollama
 from server import protocol as p
 from server.errors import APIError
@@ -30,6 +31,7 @@ from server.pipeline import (
     with_tool_warning,
 )
 from server.reasoning import ReasoningPlan
+from server.serving import Outcome
 from server.structured import with_response_format
 from server.tools import ToolPlan
 
@@ -88,6 +90,45 @@ async def _run_ollama(raw: Request, engine, fmt: OllamaFormat, plan: ChatPlan, s
     return with_tool_warning(response, plan, request.request_id)
 
 
+@router.post("/api/embed")
+async def ollama_embed(body: ollama.EmbedRequest, raw: Request) -> Response:
+    started = time.monotonic_ns()
+    accept(body)
+    engine = ready_engine(raw)
+    served_name(engine, body.model)  # else a 404
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:  # nothing to embed: a client loading the model
+        return JSONResponse(ollama.EmbedReply(model=body.model, embeddings=[], total_duration=0,
+                                              prompt_eval_count=0).model_dump())
+    emb.check_inputs(texts, "input")
+    emb.check_dimensions(body.dimensions, engine.hidden_size)
+    inputs = [await run_in_threadpool(engine.encode, text) for text in texts]
+    if body.truncate:  # Ollama's default: the start of a long input, as much as the context holds
+        inputs = [ids[: engine.max_model_len] for ids in inputs]
+
+    def reply(outcomes: list[Outcome]) -> ollama.EmbedReply:
+        return ollama.EmbedReply(
+            model=body.model, embeddings=[emb.unit_vector(o.embedding, body.dimensions) for o in outcomes],
+            total_duration=time.monotonic_ns() - started, prompt_eval_count=sum(len(ids) for ids in inputs))
+
+    return await emb.run_embeddings(raw, serving(raw), inputs, emb.EmbeddingFormat(reply))
+
+
+@router.post("/api/embeddings")
+async def ollama_embeddings(body: ollama.EmbeddingsRequest, raw: Request) -> Response:
+    accept(body)
+    engine = ready_engine(raw)
+    served_name(engine, body.model)  # else a 404
+    if not body.prompt:  # nothing to embed: a client loading the model
+        return JSONResponse(ollama.EmbeddingsReply(embedding=[]).model_dump())
+    ids = (await run_in_threadpool(engine.encode, body.prompt))[: engine.max_model_len]
+
+    def reply(outcomes: list[Outcome]) -> ollama.EmbeddingsReply:
+        return ollama.EmbeddingsReply(embedding=list(outcomes[0].embedding))
+
+    return await emb.run_embeddings(raw, serving(raw), [ids], emb.EmbeddingFormat(reply, prompt_param="prompt"))
+
+
 async def _model_facts(raw: Request, engine) -> ModelFacts:
     return await run_in_threadpool(model_facts, engine, raw.app.state.reasoning_parser, raw.app.state.started)
 
@@ -126,15 +167,14 @@ async def ollama_version() -> ollama.VersionResponse:
 def _refuse_model_management(path: str) -> None:
     async def refuse() -> None:
         raise APIError(501, f"{path} is not supported: this server serves the one model it was started with "
-                       "(moe-serve --model); it cannot pull, push, create, copy or delete models, nor embed",
+                       "(moe-serve --model); it cannot pull, push, create, copy or delete models",
                        "invalid_request_error", code="not_supported")
 
     router.add_api_route(path, refuse, methods=["POST", "DELETE"] if path == "/api/delete" else ["POST"],
                          include_in_schema=False)
 
 
-for _path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/embed", "/api/embeddings",
-              "/api/blobs/{digest}"):
+for _path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}"):
     _refuse_model_management(_path)
 
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.api import EchoedPrompt, GenerationRequest, InvalidRequestError
+from server import embeddings as emb
 from server import protocol as p
 from server.json_body import StrictJSONRoute
 from server.llamacpp_protocol import DetokenizeResponse
@@ -59,6 +60,18 @@ async def create_completion(body: p.CompletionRequest, raw: Request) -> Response
     requests = [GenerationRequest(fmt.id, ids, params) for ids in batch_ids]
     request = requests[0] if len(requests) == 1 else requests
     return await serving(raw).run(raw, fmt, request, bool(body.stream), body.include_usage, body.num_choices)
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(body: emb.EmbeddingRequest, raw: Request) -> Response:
+    accept(body)
+    engine = ready_engine(raw, body.model)
+    emb.check_dimensions(body.dimensions, engine.hidden_size)
+    given = body.inputs()
+    emb.check_token_ids(given, engine.vocab_size, "input")
+    inputs = [await prompt_token_ids(engine, item) for item in given]
+    fmt = emb.EmbeddingFormat(emb.openai_response(body, model_name(engine, body.model)))
+    return await emb.run_embeddings(raw, serving(raw), inputs, fmt)
 
 
 async def prompt_token_ids(engine, prompt: str | list[int]) -> list[int]:

@@ -149,12 +149,15 @@ class Outcome:
     reasoning: ReasoningTokens | None = None  # where a reasoning parser reads the output
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # where the request asked (echo)
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector [H]
 
     def add(self, event: GenerationEvent) -> None:
         self.text += event.text
         self.logprobs.extend(event.logprobs)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
+        if event.embedding is not None:
+            self.embedding = event.embedding
         if self.reasoning is not None:
             self.reasoning.add(event.text, len(event.token_ids))
         if event.finish_reason is not None:

@@ -371,7 +371,9 @@ def test_past_the_drain_a_stream_ends_with_an_error_line(checkpoint):
     ("/api/chat", {"model": MODEL, "messages": HELLO, "format": "yaml"}, 400, "format"),
     ("/api/chat", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
     ("/api/pull", {"model": "llama3"}, 501, "serves the one model"),
-    ("/api/embed", {"model": MODEL, "input": "hi"}, 501, "serves the one model"),
+    ("/api/copy", {"source": MODEL, "destination": "copy"}, 501, "serves the one model"),
+    ("/api/embed", {"model": MODEL, "input": ["hi", ""]}, 400, "input[1] is empty"),
+    ("/api/embed", {"model": "nope", "input": "hi"}, 404, "model 'nope' not found"),
     ("/api/nothing", {}, 404, ""),
 ])
 def test_errors_are_ollamas_shape(server, path, body, status, needle):

@@ -1,0 +1,137 @@
+"""Embeddings: OpenAI's `/v1/embeddings` wire types, and what it shares with Ollama's `/api/embed` and
+`/api/embeddings` (server/ollama_routes.py).
+
+Each input is one engine request with `pooling` (the server's `--pooling`): the engine computes the whole
+input and pools the model's last hidden states into one vector [H]. A request's inputs run one after another
+under one ticket, as a batch of completion prompts does (a streamed chat goes first between two of them).
+OpenAI's vectors and Ollama's `/api/embed`'s are L2-normalized; `dimensions` keeps the first N components
+and normalizes again, as Ollama does (a model not trained for shorter vectors loses information so).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from engine.api import GenerationRequest, InvalidRequestError
+from server.protocol import OpenAIBaseModel, ResponseModel, random_id
+from server.serving import Outcome, Serving
+
+MAX_INPUTS = 2048  # per request, OpenAI's limit (LangChain sends up to 1,000 chunks at once)
+
+
+# -- OpenAI's wire types -------------------------------------------------------------------
+class EmbeddingRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]  # texts, or token ids of this model's tokenizer
+    encoding_format: Literal["float", "base64"] = "float"  # the openai SDK asks base64 unless told otherwise
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a text or token ids; a lone text or token-id list is one input."""
+        given = self.input
+        inputs = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
+        check_inputs(inputs, "input")
+        return inputs
+
+
+class EmbeddingData(ResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingUsage(ResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -- shared by OpenAI's and Ollama's routes ------------------------------------------------
+def check_inputs(inputs: Sequence[str | list[int]], param: str) -> None:
+    """At least one input, at most MAX_INPUTS, none empty (an empty one has no hidden state to pool)."""
+    if not inputs:
+        raise InvalidRequestError(f"{param} is an empty list: send at least one input", param=param)
+    if len(inputs) > MAX_INPUTS:
+        raise InvalidRequestError(f"at most {MAX_INPUTS} inputs in one request (got {len(inputs)})", param=param)
+    for index, item in enumerate(inputs):
+        if len(item) == 0:
+            where = param if len(inputs) == 1 else f"{param}[{index}]"
+            raise InvalidRequestError(f"{where} is empty: there is nothing to embed", param=param)
+
+
+def check_token_ids(inputs: Sequence[str | list[int]], vocab_size: int, param: str) -> None:
+    for index, item in enumerate(inputs):
+        if isinstance(item, list) and any(not 0 <= t < vocab_size for t in item):
+            where = param if len(inputs) == 1 else f"{param}[{index}]"
+            raise InvalidRequestError(f"{where}: token ids must be in [0, {vocab_size})", param=param)
+
+
+def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
+    if dimensions is not None and not 1 <= dimensions <= hidden_size:
+        raise InvalidRequestError(f"dimensions must be in [1, {hidden_size}] (this model's vectors have "
+                                  f"{hidden_size})", param="dimensions")
+
+
+def unit_vector(vector: Sequence[float], dimensions: int | None = None) -> list[float]:
+    """The first `dimensions` components (all when None), L2-normalized."""
+    return F.normalize(torch.tensor(vector[:dimensions], dtype=torch.float32), dim=0).tolist()
+
+
+def base64_floats(vector: Sequence[float]) -> str:
+    """OpenAI's `encoding_format: "base64"`: the vector as little-endian float32 bytes."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+@dataclass(frozen=True)
+class EmbeddingFormat:
+    """What `Serving.run` needs to collect a request's vectors (never streamed): `build` makes the
+    response from the outcomes, one per input with its `embedding`."""
+
+    build: Callable[[list[Outcome]], BaseModel]
+    prompt_param: str = "input"  # the request field errors about an input name
+
+    def choice(self, index: int) -> EmbeddingFormat:
+        return self
+
+    def outcome(self) -> Outcome:
+        return Outcome()
+
+    def response(self, outcomes: list[Outcome]) -> BaseModel:
+        return self.build(outcomes)
+
+
+async def run_embeddings(raw: Request, serving: Serving, inputs: list[list[int]], fmt: EmbeddingFormat) -> Response:
+    """Each input's pooled vector, collected into `fmt`'s response (the inputs' token ids)."""
+    request_id = random_id("embd")
+    requests = [GenerationRequest(request_id, ids, pooling=raw.app.state.pooling) for ids in inputs]
+    return await serving.run(raw, fmt, requests if len(requests) > 1 else requests[0], stream=False)
+
+
+def openai_response(body: EmbeddingRequest, model: str) -> Callable[[list[Outcome]], EmbeddingResponse]:
+    def build(outcomes: list[Outcome]) -> EmbeddingResponse:
+        data = []
+        for index, outcome in enumerate(outcomes):
+            vector = unit_vector(outcome.embedding, body.dimensions)
+            data.append(EmbeddingData(index=index, embedding=base64_floats(vector)
+                                      if body.encoding_format == "base64" else vector))
+        tokens = sum(outcome.usage.prompt_tokens for outcome in outcomes)
+        return EmbeddingResponse(data=data, model=model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    return build

@@ -1,0 +1,87 @@
+"""Embedding requests (`GenerationRequest.pooling`): the pooled last hidden states against transformers' own
+base model over the same input, for every family, whole and fed in chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import prompt_logprobs as scoring
+from engine.api import ContextLengthError, GenerationRequest, InvalidRequestError, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.fixtures.models import FAMILIES, build_checkpoint, load_reference
+
+# the same float32 arithmetic over the same weights in another order (offloaded experts, a quarter of them
+# cached): hidden states of magnitude ~1 agree to ~1e-6; a wrong position or pooling is off by whole units
+TOLERANCE = 1e-4
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the green forest."
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_engine(request, tmp_path_factory):
+    folder = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), num_layers=2)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", expert_cache_experts=4))
+    return engine, load_reference(folder)
+
+
+def embed(engine: Engine, prompt: list[int], pooling: str = "mean"):
+    (event,) = engine.generate(GenerationRequest("e", prompt, pooling=pooling))
+    return event
+
+
+def reference_states(model, prompt: list[int]) -> torch.Tensor:
+    """[T, H]: transformers' last hidden states (after the final norm) over the whole prompt."""
+    with torch.no_grad():
+        return model.base_model(input_ids=torch.tensor([prompt])).last_hidden_state[0].float()
+
+
+def test_mean_and_last_pooling_match_transformers(family_engine):
+    engine, model = family_engine
+    prompt = engine.encode(TEXT)
+    states = reference_states(model, prompt)
+    mean, last = embed(engine, prompt, "mean"), embed(engine, prompt, "last")
+    assert len(mean.embedding) == engine.hidden_size == states.shape[1]
+    torch.testing.assert_close(torch.tensor(mean.embedding), states.mean(0), atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(torch.tensor(last.embedding), states[-1], atol=TOLERANCE, rtol=0)
+    assert not torch.allclose(states.mean(0), states[-1], atol=TOLERANCE)  # the two poolings differ here
+    assert mean.finish_reason == "stop" and mean.token_ids == () and mean.text == ""
+    assert (mean.usage.prompt_tokens, mean.usage.completion_tokens) == (len(prompt), 0)
+
+
+def test_a_prompt_fed_in_chunks_pools_the_same(family_engine, monkeypatch):
+    engine, model = family_engine
+    prompt = engine.encode(TEXT * 2)
+    states = reference_states(model, prompt)
+    monkeypatch.setattr(scoring, "SCORING_CHUNK", 7)  # several chunks and a short last one
+    assert len(prompt) % 7 != 0 and len(prompt) > 14
+    torch.testing.assert_close(torch.tensor(embed(engine, prompt, "mean").embedding), states.mean(0),
+                               atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(torch.tensor(embed(engine, prompt, "last").embedding), states[-1],
+                               atol=TOLERANCE, rtol=0)
+
+
+def test_generation_after_an_embedding_is_unchanged(family_engine):
+    """An embedding keeps no prefix and leaves no state: the next completion is the same as before it."""
+    engine, _ = family_engine
+    prompt = engine.encode(TEXT)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    before = [e.token_ids for e in engine.generate(GenerationRequest("a", prompt, greedy))]
+    embed(engine, prompt)
+    after = [e.token_ids for e in engine.generate(GenerationRequest("b", prompt, greedy))]
+    assert after == before
+
+
+def test_an_input_as_long_as_the_context_fits_and_a_longer_one_is_refused(family_engine):
+    engine, _ = family_engine
+    prompt = (engine.encode(TEXT) * 1000)[: engine.max_model_len]
+    engine.validate(GenerationRequest("ok", prompt, pooling="mean"))  # no room for a sampled token needed
+    with pytest.raises(ContextLengthError):
+        engine.validate(GenerationRequest("long", prompt + prompt[:1], pooling="mean"))
+
+
+def test_an_unknown_pooling_is_refused(family_engine):
+    engine, _ = family_engine
+    with pytest.raises(InvalidRequestError) as e:
+        engine.validate(GenerationRequest("x", engine.encode(TEXT), pooling="max"))
+    assert e.value.param == "pooling"
