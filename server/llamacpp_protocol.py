@@ -41,6 +41,9 @@ class CompletionRequest(p.SamplingRequest):
     n_predict: int | None = None  # -1: no limit; 0: nothing generated (llama.vim warms its cache so)
     repeat_penalty: float | None = None
     cache_prompt: bool | None = None  # always on: the prefix cache keeps the prompt anyway
+    # llama.cpp's forms: OpenAI's {"id": bias} or a list of [id, bias] pairs (SillyTavern sends the list, [] for
+    # none); a bias of false bans the token (here OpenAI's -100). Token texts instead of ids are not supported.
+    logit_bias: dict[str, float | bool] | list[list[int | float | str | bool]] | None = None  # type: ignore[assignment]
     response_fields: list[str] | None = None  # only these fields of the answer; "a/b" is b of a, at the top
 
     @property
@@ -73,6 +76,7 @@ class CompletionRequest(p.SamplingRequest):
 
     def _sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         renamed = self.model_copy(update={
+            "logit_bias": _openai_bias(self.logit_bias),
             "seed": None if self.seed == RANDOM_SEED else self.seed,
             "repetition_penalty": self.repeat_penalty if self.repetition_penalty is None else self.repetition_penalty,
         })
@@ -84,6 +88,27 @@ class CompletionRequest(p.SamplingRequest):
                    "repetition_penalty": "repeat_penalty" if self.repeat_penalty is not None else param,
                    "top_logprobs": "n_probs"}
         return renamed.get(param, param)
+
+
+BANNED = -100.0  # OpenAI's lowest bias: the token is never sampled
+
+
+def _openai_bias(bias: Mapping[str, float | bool] | Sequence[Sequence[int | float | str | bool]] | None
+                 ) -> dict[str, float] | None:
+    """llama.cpp's logit_bias as OpenAI's {"id": bias}; `false` (llama.cpp's ban) is -100."""
+    if bias is None:
+        return None
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if any(len(pair) != 2 for pair in pairs):
+        raise InvalidRequestError("logit_bias: each entry is a [token id, bias] pair", param="logit_bias")
+    out = {}
+    for token, value in pairs:
+        if isinstance(token, bool | float) or isinstance(token, str) and not token.lstrip("-").isdigit():
+            raise InvalidRequestError("logit_bias: token texts are not supported, send token ids", param="logit_bias")
+        if isinstance(value, str) or value is True:
+            raise InvalidRequestError("logit_bias: a bias is a number, or false to ban the token", param="logit_bias")
+        out[str(token)] = BANNED if value is False else float(value)
+    return out
 
 
 class InfillRequest(CompletionRequest):

@@ -5,7 +5,9 @@ checked against `/v1/completions` and `/tokenize`'s vLLM shape on the same engin
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
@@ -153,3 +155,39 @@ def test_bad_input_is_a_400_naming_the_field(http, path, body, param):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
+
+
+# -- SillyTavern's llama.cpp backend (bench/sillytavern_browser.py recorded the body, the prompt shortened) ----
+SILLYTAVERN = Path(__file__).parent / "fixtures" / "clients" / "sillytavern_llamacpp_completion.json"
+
+
+def sillytavern_body(**changes) -> dict:
+    return {**json.loads(SILLYTAVERN.read_text()), **changes}
+
+
+def test_sillytavern_s_streamed_completion_is_answered(http):
+    body = sillytavern_body(model=MODEL, n_predict=4, max_tokens=4)
+    assert body["logit_bias"] == [] and body["stream"] is True  # as SillyTavern sends it: llama.cpp's list form
+    with http.stream("POST", "/completion", json=body) as stream:
+        assert stream.status_code == 200, stream.read()
+        *pieces, last = list(sse_json(stream.iter_lines()))
+    assert last["stop"] is True and last["tokens_predicted"] == len(pieces) == 4
+
+
+def test_llama_cpp_logit_bias_pairs_and_bans(http, tokenizer):
+    (x,) = text_ids(tokenizer, "x")
+    pairs = completion(http, prompt=PROMPT, logit_bias=[[x, 100]], **GREEDY)
+    assert pairs["content"] == "x" * 8
+    greedy = completion(http, prompt=PROMPT, **GREEDY)
+    first = text_ids(tokenizer, greedy["content"])[0]
+    banned = completion(http, prompt=PROMPT, logit_bias=[[first, False]], **GREEDY)  # llama.cpp's ban
+    assert text_ids(tokenizer, banned["content"])[0] != first
+    as_object = completion(http, prompt=PROMPT, logit_bias={str(first): False}, **GREEDY)
+    assert as_object["content"] == banned["content"]
+
+
+@pytest.mark.parametrize("bias", [[["hello", 1.0]], [[5, True]], [[5]], "x"])
+def test_a_bad_llama_cpp_logit_bias_is_a_400(http, bias):
+    answer = http.post("/completion", json={"prompt": PROMPT, "logit_bias": bias, **GREEDY})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"].startswith("logit_bias")
