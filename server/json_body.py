@@ -74,12 +74,19 @@ class StrictJSONRequest(Request):
 
 
 class StrictJSONRoute(APIRoute):
-    """A route whose JSON body is read with `loads_strict` (FastAPI answers its errors as invalid JSON)."""
+    """A route whose JSON body is read with `loads_strict` (FastAPI answers its errors as invalid JSON).
+
+    A body sent without a Content-Type is read as JSON, as Ollama, llama.cpp and older FastAPI read it
+    (litellm's `ollama_chat/` and `ollama/` providers send none); FastAPI 0.165 and later would hand the
+    model the raw bytes ("Input should be a valid dictionary")."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def strict_handler(request: Request):
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            scope = request.scope
+            if not any(name == b"content-type" for name, _ in scope["headers"]):
+                scope["headers"] = [*scope["headers"], (b"content-type", b"application/json")]
+            return await handler(StrictJSONRequest(scope, request.receive))
 
         return strict_handler
