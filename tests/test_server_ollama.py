@@ -536,3 +536,28 @@ def test_an_error_after_the_stream_started_is_an_error_line():
         assert set(lines[2]) == {"error"} and "device fell off the bus" in lines[2]["error"] and len(lines) == 3
         with pytest.raises(ollama.ResponseError, match="device fell off the bus"):
             list(ollama.Client(host=srv.url).chat(model="scripted", messages=HELLO, stream=True))
+
+
+# litellm's `ollama_chat/` and `ollama/` providers send their bodies without a Content-Type (and an empty
+# `images`); FastAPI 0.165 read such a body as bytes, so each was a 400 "Input should be a valid dictionary"
+LITELLM_CHAT = {"model": "recorded", "messages": [{"role": "user", "content": "Say hello in five words.",
+                                                   "images": []}],
+                "options": {"temperature": 0, "num_predict": 16}, "stream": False, "tools": TOOLS}
+LITELLM_GENERATE = {"model": "recorded", "prompt": "### User:\nSay hello in five words.\n\n",
+                    "options": {"temperature": 0, "num_predict": 16}, "stream": False, "images": []}
+
+
+def test_litellms_bodies_without_a_content_type_are_read_as_json(recorded):
+    engine, _, url = recorded
+    engine.output = TWO_CALLS
+    chat = httpx.post(f"{url}/api/chat", content=json.dumps(LITELLM_CHAT), timeout=60)
+    assert "content-type" not in chat.request.headers
+    assert chat.status_code == 200, chat.text
+    calls = chat.json()["message"]["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == CALLS
+    engine.output = "Hello there."
+    generate = httpx.post(f"{url}/api/generate", content=json.dumps(LITELLM_GENERATE), timeout=60)
+    assert generate.status_code == 200 and generate.json()["response"] == "Hello there.", generate.text
+    openai_chat = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(
+        {"model": "recorded", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}), timeout=60)
+    assert openai_chat.status_code == 200, openai_chat.text
