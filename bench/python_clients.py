@@ -189,6 +189,17 @@ def expect(ok: bool, detail) -> str:
     return str(detail)[:300]
 
 
+def unit_vectors(vectors: list[list[float]], count: int) -> str:
+    """`count` distinct vectors of the demo model's hidden size, each of length 1 (the API normalizes them)."""
+    norms = [sum(x * x for x in v) ** 0.5 for v in vectors]
+    ok = (len(vectors) == count and all(len(v) == len(vectors[0]) > 0 for v in vectors)
+          and all(abs(n - 1) < 1e-4 for n in norms) and len({tuple(v) for v in vectors}) == count)
+    return expect(ok, (len(vectors), [len(v) for v in vectors], norms))
+
+
+TEXTS = ["A cat sat on the mat.", "The stock market fell today."]
+
+
 def litellm_checks(demo: str, scripted: str) -> dict:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list (offline machines)
     import litellm
@@ -227,16 +238,25 @@ def litellm_checks(demo: str, scripted: str) -> dict:
         checks[f"ollama/ generate, {s}"] = lambda st=stream: text(f"ollama/{DEMO}", demo, st)
         checks[f"hosted_vllm/ chat, {s}"] = lambda st=stream: text(f"hosted_vllm/{DEMO}", f"{demo}/v1", st)
         checks[f"hosted_vllm/ tools, {s}"] = lambda st=stream: tools(f"hosted_vllm/{SCRIPTED}", f"{scripted}/v1", st)
+
+    def embedding(model, base):
+        out = litellm.embedding(model=model, api_base=base, api_key="unused", input=TEXTS)
+        return unit_vectors([row["embedding"] for row in out.data], len(TEXTS))
+
+    checks["openai/ embedding"] = lambda: embedding(f"openai/{DEMO}", f"{demo}/v1")
+    checks["ollama/ embedding"] = lambda: embedding(f"ollama/{DEMO}", demo)
+    checks["hosted_vllm/ embedding"] = lambda: embedding(f"hosted_vllm/{DEMO}", f"{demo}/v1")
     return checks
 
 
 def langchain_openai_checks(demo: str, scripted: str) -> dict:
     from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_openai import ChatOpenAI, OpenAI
+    from langchain_openai import ChatOpenAI, OpenAI, OpenAIEmbeddings
 
     Person = person_class()
     plain = ChatOpenAI(model=DEMO, base_url=f"{demo}/v1", api_key="unused", max_tokens=N, temperature=0)
     scripted_llm = ChatOpenAI(model=SCRIPTED, base_url=f"{scripted}/v1", api_key="unused")
+    embedder = OpenAIEmbeddings(model=DEMO, base_url=f"{demo}/v1", api_key="unused", check_embedding_ctx_length=False)
 
     def invoke():
         return expect(bool((message := plain.invoke(ASK)).content), message.content)
@@ -278,12 +298,15 @@ def langchain_openai_checks(demo: str, scripted: str) -> dict:
         "with_structured_output json_mode": lambda: structured(method="json_mode"),
         "OpenAI (completions) invoke": lambda: completions(False),
         "OpenAI (completions) stream": lambda: completions(True),
+        # its default tokenizes with tiktoken (a download, and ids of another vocabulary): the README says to turn it off
+        "OpenAIEmbeddings embed_documents, embed_query": lambda: unit_vectors(
+            [*embedder.embed_documents(TEXTS[:1]), embedder.embed_query(TEXTS[1])], len(TEXTS)),
     }
 
 
 def langchain_ollama_checks(demo: str, scripted: str) -> dict:
     from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_ollama import ChatOllama
+    from langchain_ollama import ChatOllama, OllamaEmbeddings
 
     Person = person_class()
     plain = ChatOllama(model=DEMO, base_url=demo, num_predict=N, temperature=0)
@@ -318,6 +341,8 @@ def langchain_ollama_checks(demo: str, scripted: str) -> dict:
         "format=json schema": formatted,
         "with_structured_output default": structured,
         "with_structured_output function_calling": lambda: structured(method="function_calling"),
+        "OllamaEmbeddings embed_documents": lambda: unit_vectors(
+            OllamaEmbeddings(model=DEMO, base_url=demo).embed_documents(TEXTS), len(TEXTS)),
     }
 
 
@@ -358,6 +383,10 @@ def ollama_checks(demo: str, scripted: str) -> dict:
         "tools round trip, stream": lambda: tools(True),
         "format=json schema": lambda: expect(json.loads((r := tool_client.chat(
             SCRIPTED, messages=ASK, format=PERSON_SCHEMA)).message.content) == PERSON, r.message.content),
+        "embed": lambda: unit_vectors(client.embed(DEMO, input=TEXTS).embeddings, len(TEXTS)),
+        # the older route: one vector, not normalized (as Ollama's)
+        "embeddings": lambda: expect(len(v := client.embeddings(DEMO, prompt=TEXTS[0]).embedding) > 0
+                                     and abs(sum(x * x for x in v) - 1) > 1e-3, len(v)),
     }
 
 
