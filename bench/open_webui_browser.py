@@ -407,7 +407,7 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
         browser = p.chromium.launch(executable_path=args.chromium, headless=True)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(url, wait_until="load", timeout=120_000)  # socket.io: never "networkidle"
-        page.locator("#chat-input").wait_for(timeout=60_000)
+        page.locator("#chat-input").wait_for(timeout=180_000)  # minutes on a loaded CPU
         dismiss_popups(page)
         selected = ensure_model(page)
         attached = None
