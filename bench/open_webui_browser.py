@@ -20,6 +20,14 @@ background requests) asks a second question in the same chat. Each request's pro
 many of them came from moe-serve's kept KV cache, are read from moe-serve's log. It takes a
 screenshot, stops everything, and prints one JSON object. Playwright is imported from the
 interpreter that runs this script.
+
+With `--rag` (documents), Open WebUI's embedding engine is moe-serve too, set as a user sets it in Admin →
+Settings → Documents (its env vars: engine `openai` with `RAG_OPENAI_API_BASE_URL` = moe-serve's /v1, or with
+`--connection ollama` engine `ollama` with `RAG_OLLAMA_BASE_URL`; model moe-serve/smollm2-moe-demo). A small
+text file with one distinctive fact (or `--attach FILE`) is attached in the chat; once Open WebUI has processed
+it (its chip stops spinning), the question is about it. The proxy then also records, per request, how many
+inputs an embedding request carried and whether a body carried the fact (the document reached the prompt),
+and writes every body to request_bodies.jsonl in --logs.
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "moe-serve/smollm2-moe-demo"
 QUESTION = "What is the capital of France?"
+# --rag: a document with one distinctive fact, attached to the chat, and a question about it
+FACT = "The secret launch code of Project Heron is 4417."
+FACT_MARK = b"Project Heron is 4417"  # in a request body: the document's text reached moe-serve
+RAG_QUESTION = "What is the secret launch code of Project Heron?"
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "date", "server"}
 
 
@@ -96,9 +108,15 @@ def summarize_body(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {}
     tools = data.get("tools") or []
-    return {"model": data.get("model"), "stream": data.get("stream"), "has_tools": "tools" in data,
-            "tool_names": [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)],
-            "n_messages": len(data.get("messages") or []), "keys": sorted(data)}
+    summary = {"model": data.get("model"), "stream": data.get("stream"), "has_tools": "tools" in data,
+               "tool_names": [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)],
+               "n_messages": len(data.get("messages") or []), "keys": sorted(data),
+               "carries_fact": FACT_MARK in body}
+    given = data.get("input", data.get("prompt")) if "messages" not in data else None
+    if given is not None:  # an embedding request: how many inputs, how many characters
+        texts = [given] if isinstance(given, str) else given
+        summary.update({"n_inputs": len(texts), "input_chars": sum(len(t) for t in texts if isinstance(t, str))})
+    return summary
 
 
 def response_id(body: bytes, stream: bool) -> str | None:
@@ -142,10 +160,11 @@ def reply_text(body: bytes, stream: bool) -> str | None:
         return None
 
 
-def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int]
-               ) -> type[BaseHTTPRequestHandler]:
+def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int],
+               body_log: Path | None = None) -> type[BaseHTTPRequestHandler]:
     """A handler that forwards to moe-serve, streaming the answer back, and records each request
-    in `records` (status None while it runs); in_flight[0] counts the unfinished ones."""
+    in `records` (status None while it runs); in_flight[0] counts the unfinished ones. With `body_log`,
+    each request's path and body go to that file, one JSON line each (to replay one in a test)."""
     lock = threading.Lock()
 
     class Proxy(BaseHTTPRequestHandler):
@@ -175,6 +194,9 @@ def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: lis
             record: dict[str, Any] = {"method": self.command, "path": self.path, "status": None,
                                       **summarize_body(body)}
             records.append(record)  # at once, so that one still running at the end shows
+            if body_log is not None and body:
+                with lock, open(body_log, "a") as f:
+                    f.write(json.dumps({"path": self.path, "body": body.decode("utf-8", "replace")}) + "\n")
             try:
                 out = self.pass_on(body, record)
             except OSError as e:
@@ -213,9 +235,9 @@ def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: lis
     return Proxy
 
 
-def start_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int]
-                ) -> ThreadingHTTPServer:
-    handler = make_proxy(upstream_port, records, in_flight)
+def start_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int],
+                body_log: Path | None = None) -> ThreadingHTTPServer:
+    handler = make_proxy(upstream_port, records, in_flight, body_log)
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -229,8 +251,11 @@ def start_moe_serve(python: str, port: int, log_path: Path, extra_args: list[str
     return proc
 
 
-def open_webui_env(api_port: int, data_dir: Path, connection: str) -> dict[str, str]:
-    """`connection`: "openai" (Open WebUI's OpenAI connection to /v1) or "ollama" (its Ollama one, /api)."""
+def open_webui_env(api_port: int, data_dir: Path, connection: str, rag: bool = False,
+                   no_tasks: bool = False) -> dict[str, str]:
+    """`connection`: "openai" (Open WebUI's OpenAI connection to /v1) or "ollama" (its Ollama one, /api).
+    `rag`: its embedding engine is moe-serve too, through the same API (as a user sets it in Admin →
+    Settings → Documents), with the served model as the embedding model."""
     env = dict(os.environ)
     if connection == "ollama":
         env.update({"OLLAMA_BASE_URL": f"http://127.0.0.1:{api_port}", "ENABLE_OLLAMA_API": "true",
@@ -247,14 +272,23 @@ def open_webui_env(api_port: int, data_dir: Path, connection: str) -> dict[str, 
         "ENABLE_EVALUATION_ARENA_MODELS": "false", "ENABLE_VERSION_UPDATE_CHECK": "false",
         "SCARF_NO_ANALYTICS": "true", "DO_NOT_TRACK": "true", "ANONYMIZED_TELEMETRY": "false",
     })
+    if no_tasks:  # Admin → Settings → Interface: no title, tags, follow-ups or retrieval queries from the model
+        env.update({name: "false" for name in ("ENABLE_TITLE_GENERATION", "ENABLE_TAGS_GENERATION",
+                                               "ENABLE_FOLLOW_UP_GENERATION", "ENABLE_RETRIEVAL_QUERY_GENERATION")})
+    if rag and connection == "ollama":
+        env.update({"RAG_EMBEDDING_ENGINE": "ollama", "RAG_OLLAMA_BASE_URL": f"http://127.0.0.1:{api_port}",
+                    "RAG_EMBEDDING_MODEL": MODEL})
+    elif rag:
+        env.update({"RAG_EMBEDDING_ENGINE": "openai", "RAG_OPENAI_API_BASE_URL": f"http://127.0.0.1:{api_port}/v1",
+                    "RAG_OPENAI_API_KEY": "unused", "RAG_EMBEDDING_MODEL": MODEL})
     return env
 
 
-def start_open_webui(exe: str, port: int, api_port: int, data_dir: Path, log_path: Path, connection: str
-                     ) -> subprocess.Popen:
+def start_open_webui(exe: str, port: int, api_port: int, data_dir: Path, log_path: Path, connection: str,
+                     rag: bool = False, no_tasks: bool = False) -> subprocess.Popen:
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = start([exe, "serve", "--host", "127.0.0.1", "--port", str(port)],
-                 open_webui_env(api_port, data_dir, connection), log_path, data_dir)
+                 open_webui_env(api_port, data_dir, connection, rag, no_tasks), log_path, data_dir)
     wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
     return proc
 
@@ -308,15 +342,50 @@ def wait_answer(page: Any, timeout_s: float, answers_before: int = 0) -> str:
 
 
 def error_texts(page: Any) -> list[str]:
-    """Error toasts and in-chat error boxes Open WebUI shows."""
+    """Error (and warning) toasts and in-chat error boxes Open WebUI shows."""
     texts = []
-    for sel in ("[data-sonner-toast][data-type='error']", "[role='alert']", ".text-red-500",
+    for sel in ("[data-sonner-toast][data-type='error']", "[data-sonner-toast][data-type='warning']",
+                "[role='alert']", ".text-red-500",
                 "div[class*='border-red']", "div[class*='bg-red']"):
         for el in page.locator(sel).all():
             text = el.inner_text().strip()
             if text and el.is_visible():
                 texts.append(text)
     return texts
+
+
+def write_document(folder: Path) -> Path:
+    """A small text file of a few paragraphs, FACT in the middle one."""
+    filler = ("Project Heron is a fictional programme used to test document retrieval. Its team meets on "
+              "Tuesdays in the north building, and its reports are filed in the blue cabinet. ")
+    paragraphs = [filler * 3, "Among its records one line matters more than the rest. " + FACT + " "
+                  "Nobody outside the team is supposed to know it.", filler * 2
+                  + "The programme's mascot is a grey heron called Horace, painted on the door."]
+    path = folder / "project_heron.txt"
+    path.write_text("\n\n".join(paragraphs) + "\n")
+    return path
+
+
+def attach_file(page: Any, path: Path, timeout_s: float) -> dict[str, Any]:
+    """Attach `path` through the chat's file input, as a file picked in the + menu, and wait until Open
+    WebUI has processed it (its chip in the message input shows and no spinner turns) or an error shows."""
+    inputs = page.locator("input[type='file'][multiple]")
+    t0 = time.monotonic()
+    inputs.first.set_input_files(str(path))
+    chip = page.locator("#message-input-container").get_by_text(path.name)
+    spinner = page.locator("#message-input-container .spinner_ajPY")
+    deadline = time.monotonic() + timeout_s
+    processed = False
+    while time.monotonic() < deadline:
+        if chip.count() and not spinner.count():
+            processed = True
+            break
+        if error_texts(page):
+            break
+        page.wait_for_timeout(250)
+    return {"file": path.name, "bytes": path.stat().st_size, "file_inputs_on_page": inputs.count(),
+            "processed": processed, "chip_shown": bool(chip.count()),
+            "seconds_attach_to_processed": round(time.monotonic() - t0, 1), "errors_after_attach": error_texts(page)}
 
 
 def wait_quiet(in_flight: list[int], max_s: float) -> None:
@@ -338,11 +407,15 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
         browser = p.chromium.launch(executable_path=args.chromium, headless=True)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(url, wait_until="load", timeout=120_000)  # socket.io: never "networkidle"
-        page.locator("#chat-input").wait_for(timeout=60_000)
+        page.locator("#chat-input").wait_for(timeout=180_000)  # minutes on a loaded CPU
         dismiss_popups(page)
         selected = ensure_model(page)
+        attached = None
+        if args.rag:
+            attached = attach_file(page, args.attach or write_document(Path(tempfile.mkdtemp(prefix="owui-doc-"))),
+                                   args.answer_timeout)
         t0 = time.monotonic()
-        send_question(page)
+        send_question(page, RAG_QUESTION if args.rag else QUESTION)
         answer = wait_answer(page, args.answer_timeout)
         seconds = time.monotonic() - t0
         wait_quiet(in_flight, args.settle)
@@ -361,7 +434,8 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
         page.screenshot(path=str(args.screenshot))
         title = page.title()
         browser.close()
-    return {"answer": answer, "contains_paris": "Paris" in answer, "seconds_to_answer":
+    found = {"contains_4417": "4417" in answer, "attached": attached} if args.rag else {"contains_paris": "Paris" in answer}
+    return {"answer": answer, **found, "seconds_to_answer":
             round(seconds, 1), "follow_up": follow_up, "errors_seen": errors, "model_selected": selected,
             "page_title": title}
 
@@ -386,6 +460,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--moe-arg", action="append", default=[], metavar="ARG",
                    help="one more moe-serve argument (repeat it: --moe-arg=--max-model-len --moe-arg=96)")
     p.add_argument("--server-repo", type=Path, default=REPO, help="checkout whose server runs (e.g. an older commit)")
+    p.add_argument("--rag", action="store_true",
+                   help="documents: Open WebUI embeds through moe-serve (same connection); a text file is "
+                        "attached to the chat and the question is about it")
+    p.add_argument("--attach", type=Path, default=None, help="with --rag, this file instead of a written one")
+    p.add_argument("--no-tasks", action="store_true",
+                   help="turn off Open WebUI's background tasks (title, tags, follow-ups, retrieval queries): on a "
+                        "slow CPU each of them goes before the answer")
     p.add_argument("--settle", type=float, default=300,
                    help="at most this long after the answer for Open WebUI's background requests")
     return p.parse_args()
@@ -403,9 +484,13 @@ def main() -> None:
     try:
         procs.append(start_moe_serve(args.moe_python, moe_port, args.logs / "moe_serve.log", args.moe_arg,
                                      args.server_repo))
-        proxy = start_proxy(moe_port, records, in_flight)
+        body_log = args.logs / "request_bodies.jsonl" if args.rag else None
+        if body_log is not None:
+            body_log.unlink(missing_ok=True)
+        proxy = start_proxy(moe_port, records, in_flight, body_log)
         procs.append(start_open_webui(args.open_webui, webui_port, proxy.server_port,
-                                      args.data_dir, args.logs / "open_webui.log", args.connection))
+                                      args.data_dir, args.logs / "open_webui.log", args.connection, args.rag,
+                                      args.no_tasks))
         result = run_browser(args, f"http://127.0.0.1:{webui_port}", in_flight)
     except Exception as e:  # report what broke, with what was recorded up to then
         result["failure"] = f"{type(e).__name__}: {e}"
@@ -416,6 +501,13 @@ def main() -> None:
     for record in records:
         record.update(reuse.get(record.get("id"), {}))
     result["moe_serve_status_codes"] = [r["status"] for r in records]
+    if args.rag:
+        embeds = [r for r in records if "embed" in r["path"]]
+        result["embedding_requests"] = {"count": len(embeds), "inputs": sum(r.get("n_inputs", 0) for r in embeds),
+                                        "statuses": sorted({str(r["status"]) for r in embeds}),
+                                        "seconds": [r.get("seconds") for r in embeds]}
+        result["chat_requests_carrying_document"] = [r["path"] for r in records
+                                                     if r.get("n_messages") and r.get("carries_fact")]
     result["moe_serve_requests"] = records
     print(json.dumps(result, indent=2))
 

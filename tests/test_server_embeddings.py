@@ -172,3 +172,25 @@ def test_a_body_sent_as_curl_d_sends_it_is_read_as_json(http):
     broken = http.post("/api/embed", content=b"model=x&input=y", headers={"Content-Type":
                                                                            "application/x-www-form-urlencoded"})
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]
+
+
+# Open WebUI 0.12.4's bodies, as its document upload sent them (bench/open_webui_browser.py --rag): one chunk
+# per request (RAG_EMBEDDING_BATCH_SIZE 1), no encoding_format; the query with its <attached_files> block.
+OPEN_WEBUI_QUERY = ('<attached_files>\n<file type="file" id="33c619e4-8c6e-491b-ac2e-2d4cb626ce8f" '
+                    'url="33c619e4-8c6e-491b-ac2e-2d4cb626ce8f" content_type="text/plain" name="project_heron.txt"/>\n'
+                    "</attached_files>\n\nWhat is the secret launch code of Project Heron?")
+OPEN_WEBUI_CHUNK = ("Among its records one line matters more than the rest. The secret launch code of Project Heron "
+                    "is 4417. Nobody outside the team is supposed to know it.")
+
+
+@pytest.mark.parametrize("route, extra, read", [
+    ("/v1/embeddings", {}, lambda body: [item["embedding"] for item in body["data"]]),  # its OpenAI engine
+    ("/api/embed", {"truncate": True}, lambda body: body["embeddings"]),  # its Ollama engine
+])
+def test_open_webui_document_bodies(http, reference, route, extra, read):
+    for text in (OPEN_WEBUI_CHUNK, OPEN_WEBUI_QUERY):
+        answer = http.post(route, json={"input": [text], "model": MODEL, **extra})
+        assert answer.status_code == 200, answer.text
+        (vector,) = read(answer.json())
+        assert all(isinstance(x, float) for x in vector)
+        close(vector, unit(pooled(reference, text_ids(reference, text))))
