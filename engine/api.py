@@ -13,6 +13,9 @@ FinishReason = Literal["stop", "length", "abort"]
 Pooling = Literal["mean", "last"]  # how an embedding request's last hidden states [T, H] become one vector
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
+# requests waiting or running (--max-queue), Ollama's OLLAMA_MAX_QUEUE: Open WebUI embeds a document one chunk per
+# request, all at once (a 100 KB text is ~120 requests); a waiting request holds only its prompt's ids
+DEFAULT_MAX_QUEUE = 512
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; chat front ends add a few per role name and template
 MAX_STOP_CHARS = 256  # each stop string: checked against the text held back at every token
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy (as in vLLM): float32 cannot divide by it safely

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.api import (
+    DEFAULT_MAX_QUEUE,
     EngineUnavailableError,
     GenerationEvent,
     GenerationRequest,
@@ -35,7 +36,7 @@ class _Job:
 
 
 class EngineClient:
-    def __init__(self, load_engine: Callable[[], Engine], max_queue: int = 64) -> None:
+    def __init__(self, load_engine: Callable[[], Engine], max_queue: int = DEFAULT_MAX_QUEUE) -> None:
         self.max_queue = max_queue
         self.engine: Engine | None = None
         self.error: str | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine.api import POOLINGS
+from engine.api import DEFAULT_MAX_QUEUE, POOLINGS
 from engine.config import CPU_EXPERTS, DTYPES, EXPERT_DTYPES, POLICY_NAMES, EngineConfig
 from server import VERSION
 from server.reasoning import REASONING_PARSERS
@@ -38,7 +38,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # None: no authentication
     allowed_origins: str | None = None  # comma-separated origin patterns; None: local pages and apps only
-    max_queue: int = 64  # requests waiting or running; beyond it, 503
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting or running; beyond it, 503
     tool_call_parser: str = "auto"  # auto: from the chat template, else the model type
     reasoning_parser: str = "auto"  # auto: from the chat template, else the model type
     reasoning_budget: int = -1  # thinking tokens per answer, then the block is closed; -1: unlimited

@@ -5,6 +5,7 @@ base model over the same tokens, mean-pooled (the server's default `--pooling`).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -194,3 +195,19 @@ def test_open_webui_document_bodies(http, reference, route, extra, read):
         (vector,) = read(answer.json())
         assert all(isinstance(x, float) for x in vector)
         close(vector, unit(pooled(reference, text_ids(reference, text))))
+
+
+def test_a_document_embedded_one_chunk_per_request_all_at_once_is_served(server):
+    """Open WebUI's default (a batch size of 1, no limit on concurrent requests): a 100 KB document's ~120 chunks
+    arrive at once. The default --max-queue (Ollama's 512) takes them all; at the former 64, half were 503s."""
+    chunks = [f"Chunk {i} of the document: the quick brown fox jumps over the lazy dog." for i in range(120)]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            return await asyncio.gather(*(client.post("/v1/embeddings", json={"model": MODEL, "input": [chunk]})
+                                          for chunk in chunks))
+
+    answers = asyncio.run(burst())
+    assert [a.status_code for a in answers] == [200] * len(chunks), {a.status_code for a in answers}
+    vectors = [tuple(a.json()["data"][0]["embedding"]) for a in answers]
+    assert len(set(vectors)) == len(chunks)  # each its own chunk's
