@@ -249,8 +249,26 @@ def litellm_checks(demo: str, scripted: str) -> dict:
     return checks
 
 
-def langchain_openai_checks(demo: str, scripted: str) -> dict:
+def langchain_tool_round_trip(chat_model, streamed: bool) -> str:
+    """A LangChain chat model calls get_weather (invoked, or streamed and its chunks added up), then quotes the
+    tool's result."""
     from langchain_core.messages import HumanMessage, ToolMessage
+
+    bound = chat_model.bind_tools([WEATHER_TOOL])
+    history = [HumanMessage(WEATHER_ASK[0]["content"])]
+    if streamed:
+        first = None
+        for chunk in bound.stream(history):
+            first = chunk if first is None else first + chunk
+    else:
+        first = bound.invoke(history)
+    expect(len(first.tool_calls) == 1 and first.tool_calls[0]["args"] == {"city": "Paris"}, first)
+    history += [first, ToolMessage(TOOL_RESULT, tool_call_id=first.tool_calls[0]["id"])]
+    second = bound.invoke(history)
+    return expect(TOOL_RESULT in second.content, second.content)
+
+
+def langchain_openai_checks(demo: str, scripted: str) -> dict:
     from langchain_openai import ChatOpenAI, OpenAI, OpenAIEmbeddings
 
     Person = person_class()
@@ -266,18 +284,7 @@ def langchain_openai_checks(demo: str, scripted: str) -> dict:
         return expect(bool("".join(pieces)), pieces)
 
     def round_trip(streamed: bool):
-        bound = scripted_llm.bind_tools([WEATHER_TOOL])
-        history = [HumanMessage(WEATHER_ASK[0]["content"])]
-        if streamed:
-            first = None
-            for chunk in bound.stream(history):
-                first = chunk if first is None else first + chunk
-        else:
-            first = bound.invoke(history)
-        expect(len(first.tool_calls) == 1 and first.tool_calls[0]["args"] == {"city": "Paris"}, first)
-        history += [first, ToolMessage(TOOL_RESULT, tool_call_id=first.tool_calls[0]["id"])]
-        second = bound.invoke(history)
-        return expect(TOOL_RESULT in second.content, second.content)
+        return langchain_tool_round_trip(scripted_llm, streamed)
 
     def structured(**kw):
         out = scripted_llm.with_structured_output(Person, **kw).invoke(ASK)
@@ -305,25 +312,13 @@ def langchain_openai_checks(demo: str, scripted: str) -> dict:
 
 
 def langchain_ollama_checks(demo: str, scripted: str) -> dict:
-    from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_ollama import ChatOllama, OllamaEmbeddings
 
     Person = person_class()
     plain = ChatOllama(model=DEMO, base_url=demo, num_predict=N, temperature=0)
 
     def tools(streamed: bool):
-        bound = ChatOllama(model=SCRIPTED, base_url=scripted).bind_tools([WEATHER_TOOL])
-        history = [HumanMessage(WEATHER_ASK[0]["content"])]
-        if streamed:
-            first = None
-            for chunk in bound.stream(history):
-                first = chunk if first is None else first + chunk
-        else:
-            first = bound.invoke(history)
-        expect(len(first.tool_calls) == 1 and first.tool_calls[0]["args"] == {"city": "Paris"}, first)
-        history += [first, ToolMessage(TOOL_RESULT, tool_call_id=first.tool_calls[0]["id"])]
-        second = bound.invoke(history)
-        return expect(TOOL_RESULT in second.content, second.content)
+        return langchain_tool_round_trip(ChatOllama(model=SCRIPTED, base_url=scripted), streamed)
 
     def formatted():
         out = ChatOllama(model=SCRIPTED, base_url=scripted, format=PERSON_SCHEMA).invoke(ASK)

@@ -39,12 +39,18 @@ router = APIRouter(route_class=StrictJSONRoute)  # duplicate keys and deep nesti
 
 
 # -- Ollama's native API: translated to the chat pipeline --------------------------------------
+def _served_engine(body: ollama.EmbedRequest | ollama.EmbeddingsRequest | ollama.GeneratingRequest, raw: Request):
+    """The engine, once the request's own checks pass and it names the served model (else a 404)."""
+    accept(body)
+    engine = ready_engine(raw)
+    served_name(engine, body.model)
+    return engine
+
+
 @router.post("/api/chat")
 async def ollama_chat(body: ollama.ChatRequest, raw: Request) -> Response:
     started = time.monotonic_ns()
-    accept(body)
-    engine = ready_engine(raw)
-    served_name(engine, body.model)  # else a 404 (the response carries the name sent, `:latest` too)
+    engine = _served_engine(body, raw)  # the response carries the name sent (`:latest` too)
     chat = ollama_messages.chat_request(body)
     if not body.messages:  # nothing to answer: a client loading the model
         return _loaded(OllamaChatFormat(body.model, started), chat, engine, body.unloads)
@@ -57,9 +63,7 @@ async def ollama_chat(body: ollama.ChatRequest, raw: Request) -> Response:
 @router.post("/api/generate")
 async def ollama_generate(body: ollama.GenerateRequest, raw: Request) -> Response:
     started = time.monotonic_ns()
-    accept(body)
-    engine = ready_engine(raw)
-    served_name(engine, body.model)  # else a 404
+    engine = _served_engine(body, raw)
     chat = ollama_messages.generate_request(body)
     if not body.prompt and not body.suffix:  # nothing to answer: a client loading the model
         return _loaded(OllamaGenerateFormat(body.model, started), chat, engine, body.unloads)
@@ -93,9 +97,7 @@ async def _run_ollama(raw: Request, engine, fmt: OllamaFormat, plan: ChatPlan, s
 @router.post("/api/embed")
 async def ollama_embed(body: ollama.EmbedRequest, raw: Request) -> Response:
     started = time.monotonic_ns()
-    accept(body)
-    engine = ready_engine(raw)
-    served_name(engine, body.model)  # else a 404
+    engine = _served_engine(body, raw)
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:  # nothing to embed: a client loading the model
         return JSONResponse(ollama.EmbedReply(model=body.model, embeddings=[], total_duration=0,
@@ -116,9 +118,7 @@ async def ollama_embed(body: ollama.EmbedRequest, raw: Request) -> Response:
 
 @router.post("/api/embeddings")
 async def ollama_embeddings(body: ollama.EmbeddingsRequest, raw: Request) -> Response:
-    accept(body)
-    engine = ready_engine(raw)
-    served_name(engine, body.model)  # else a 404
+    engine = _served_engine(body, raw)
     if not body.prompt:  # nothing to embed: a client loading the model
         return JSONResponse(ollama.EmbeddingsReply(embedding=[]).model_dump())
     ids = (await run_in_threadpool(engine.encode, body.prompt))[: engine.max_model_len]
