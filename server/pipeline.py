@@ -114,8 +114,16 @@ def with_tool_warning(response: Response, plan: ChatPlan, request_id: str, other
     warning = "; ".join(w for w in (other, plan.tools.warning, plan.warning) if w)
     if warning:
         log.warning("request %s: %s", request_id, warning)
-        response.headers[WARNING_HEADER] = warning
+        response.headers[WARNING_HEADER] = header_value(warning)
     return response
+
+
+def header_value(text: str) -> str:
+    """`text` as a valid HTTP header value: it may quote the request (tool names and types), whose characters
+    a header cannot carry (non-ASCII, control characters, or whitespace at an end: h11 then drops the
+    response and the client sees the connection closed). Non-ASCII is escaped as in Python (`\\u00e9`)."""
+    escaped = text.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if c.isprintable() else " " for c in escaped).strip()
 
 
 async def fill_in_the_middle(engine, prefix: str, suffix: str, params: SamplingParams, files: ExtraFiles = (),

@@ -72,7 +72,7 @@ class ResponseTools:
         if not self.hosted:
             return None
         return ("tools hosted by OpenAI do not run on this server and were not offered to the model: "
-                + ", ".join(self.hosted))
+                + ", ".join(repr(t) for t in self.hosted))
 
     def output_item(self, call: ToolCall) -> rp.ToolCallItem:
         """A parsed call as the output item of the tool it names (a name never declared: a function call)."""
