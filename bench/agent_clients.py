@@ -1,15 +1,19 @@
-"""Real coding agents (Claude Code, Codex CLI) against moe-serve's real app, end to end.
+"""Real coding agents (Claude Code, Codex CLI, opencode, Qwen Code, Continue CLI) against moe-serve's real
+app, end to end.
 
-Run: python -m bench.agent_clients [--claude PATH] [--codex PATH] [--out FILE]
+Run: python -m bench.agent_clients [--clients claude-code,codex,...] [--bin DIR] [--out FILE] [--bodies DIR]
 Install the clients first (they are not Python packages): `npm install --prefix /tmp/agents
-@anthropic-ai/claude-code @openai/codex`; the defaults look in /tmp/agents/node_modules/.bin.
+@anthropic-ai/claude-code @openai/codex opencode-ai @qwen-code/qwen-code @continuedev/cli`; the default --bin
+is /tmp/agents/node_modules/.bin. Each client is configured as its docs tell a user of a local
+OpenAI-compatible (or Anthropic-compatible) server.
 
 The engine is scripted (a random model would never call a tool): on a Qwen2.5-style tool template it
-answers the client's first request with one call of the client's own shell tool (Claude Code's `Bash`,
-Codex's `exec_command`), and the request that carries the tool's result with a sentence quoting that
+answers the client's first request with one call of the client's own shell tool (Claude Code's and
+Continue's `Bash`, Codex's `exec_command`, opencode's `bash`, Qwen Code's `run_shell_command`), and the request that carries the tool's result with a sentence quoting that
 result. So a run passes only if the whole loop works: the client's request is read (its system turns, tool
 list and options), the call streams back in the client's API shape, the client runs it, and its result
-reaches the template in the next request. Every request's route and status is recorded.
+reaches the template in the next request. Every request's route, status and body keys are recorded
+(--bodies keeps the bodies).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ TASK = "Write the check file with the shell tool, then tell me what it printed."
 SHELL_CALLS = {  # each client's shell tool and the arguments that run COMMAND
     "Bash": {"command": COMMAND, "description": "Write the check file"},
     "exec_command": {"cmd": COMMAND},
+    "bash": {"command": COMMAND, "description": "Write the check file"},
+    "run_shell_command": {"command": COMMAND, "is_background": False, "description": "Write the check file"},
 }
 DEFAULT_BIN = Path("/tmp/agents/node_modules/.bin")
 CLIENT_TIMEOUT_S = 300
@@ -74,12 +80,20 @@ QWEN_RESULT = re.compile(r"user\n<tool_response>\n(.*)\n</tool_response><\|im_en
 def scripted_answer(prompt: str, style: str) -> str:
     """What the scripted model writes after `prompt` (the rendered chat, special tokens kept)."""
     result = tool_result(prompt, style)
-    if result is not None:  # Codex puts a header (exit code, wall time) before the output: quote its last line
-        return written_as(style, f"{QUOTE}{result.strip().splitlines()[-1]}")
+    if result is not None:
+        return written_as(style, f"{QUOTE}{printed(result)}")
     for tool, arguments in SHELL_CALLS.items():
         if f'"name": "{tool}"' in prompt or f"type {tool} = " in prompt:
             return written_as(style, json.dumps(arguments), call_of=tool)
     return written_as(style, "Agent check.")  # a request without the tools: a title or a summary
+
+
+def printed(result: str) -> str:
+    """The line the command printed in a tool result: Codex puts a header (exit code, wall time) before it,
+    Qwen Code labels it (`Output: ...`, between `Command:` and `Exit Code:` lines). The last line ending with the
+    mark, less its label; else the last line."""
+    lines = result.strip().splitlines()
+    return next((line.rsplit(": ", 1)[-1] for line in reversed(lines) if line.endswith(MARK)), lines[-1])
 
 
 def tool_result(prompt: str, style: str) -> str | None:
@@ -100,22 +114,35 @@ def written_as(style: str, text: str, call_of: str | None = None) -> str:
 
 
 class RouteLog:
-    """ASGI middleware: each HTTP request's method, path and status."""
+    """ASGI middleware: each HTTP request's method, path and status, and its JSON body (None if none)."""
 
     def __init__(self, app) -> None:
         self.app = app
         self.seen: list[tuple[str, str, int]] = []
+        self.bodies: list[dict | None] = []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+
+        async def read():
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+            return message
 
         async def record(message) -> None:
             if message["type"] == "http.response.start":
                 self.seen.append((scope["method"], scope["path"], message["status"]))
+                try:
+                    body = json.loads(b"".join(chunks))
+                except ValueError:
+                    body = None
+                self.bodies.append(body if isinstance(body, dict) else None)
             await send(message)
 
-        await self.app(scope, receive, record)
+        await self.app(scope, read, record)
 
 
 def start_server(engine: ScriptedAgentEngine) -> tuple[str, RouteLog, uvicorn.Server]:
@@ -153,7 +180,54 @@ def codex_run(binary: Path, url: str, home: Path, workdir: Path, prompt: str,
                           timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL)
 
 
-CLIENTS = {"claude-code": claude_code_run, "codex": codex_run}
+def opencode_run(binary: Path, url: str, home: Path, workdir: Path, prompt: str,
+                 resume: bool) -> subprocess.CompletedProcess:
+    """opencode's docs for a local server (Ollama, LM Studio): a provider using `@ai-sdk/openai-compatible`
+    with `options.baseURL` and the model ids under `models`, in opencode.json."""
+    config = {"$schema": "https://opencode.ai/config.json", "model": f"moe/{MODEL}", "autoupdate": False,
+              "permission": {"bash": "allow"},  # else `opencode run` asks, and with no terminal denies
+              "provider": {"moe": {"npm": "@ai-sdk/openai-compatible", "name": "moe-serve",
+                                   "options": {"baseURL": f"{url}/v1"}, "models": {MODEL: {"name": MODEL}}}}}
+    config_dir = home / ".config" / "opencode"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "opencode.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+           "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
+           "XDG_STATE_HOME": str(home / ".local" / "state"), "OPENCODE_DISABLE_AUTOUPDATE": "1",
+           "PWD": str(workdir)}  # its project directory (where the shell runs) is $PWD, not the process's cwd
+    return subprocess.run([str(binary), "run", *["--continue"] * resume, prompt], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def qwen_code_run(binary: Path, url: str, home: Path, workdir: Path, prompt: str,
+                  resume: bool) -> subprocess.CompletedProcess:
+    """Qwen Code's docs for an OpenAI-compatible server: OPENAI_API_KEY, OPENAI_BASE_URL, OPENAI_MODEL."""
+    env = {**os.environ, "HOME": str(home), "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "unused",
+           "OPENAI_MODEL": MODEL}
+    return subprocess.run([str(binary), *["--continue"] * resume, "--auth-type", "openai", "--yolo", "-p", prompt],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+
+
+def continue_run(binary: Path, url: str, home: Path, workdir: Path, prompt: str,
+                 resume: bool) -> subprocess.CompletedProcess:
+    """Continue's docs for an OpenAI-compatible server: a config.yaml model with `provider: openai` and
+    `apiBase`."""
+    config = home / ".continue" / "config.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f"name: moe-serve\nversion: 0.0.1\nschema: v1\nmodels:\n  - name: moe-serve\n"
+                      f"    provider: openai\n    model: {MODEL}\n    apiBase: {url}/v1\n    apiKey: unused\n"
+                      "    roles: [chat, edit, apply]\n", encoding="utf-8")
+    env = {**os.environ, "HOME": str(home), "CONTINUE_GLOBAL_DIR": str(home / ".continue")}
+    return subprocess.run([str(binary), "-p", *["--resume"] * resume, "--config", str(config), "--allow", "Bash",
+                           prompt], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=CLIENT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+CLIENTS = {"claude-code": claude_code_run, "codex": codex_run, "opencode": opencode_run,
+           "qwen-code": qwen_code_run, "continue": continue_run}
+BINARIES = {"claude-code": "claude", "codex": "codex", "opencode": "opencode", "qwen-code": "qwen",
+            "continue": "cn"}
 
 
 def version(binary: Path) -> str:
@@ -161,7 +235,8 @@ def version(binary: Path) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "?"
 
 
-def check_client(name: str, binary: Path, engine: ScriptedAgentEngine, url: str, routes: RouteLog) -> dict:
+def check_client(name: str, binary: Path, engine: ScriptedAgentEngine, url: str, routes: RouteLog,
+                 bodies: Path | None = None) -> dict:
     """Two turns in one session: the task, then the same again after resuming (the first turn's call and
     result go back as history)."""
     run = CLIENTS[name]
@@ -192,8 +267,18 @@ def check_client(name: str, binary: Path, engine: ScriptedAgentEngine, url: str,
                 "stdout_tail": done.stdout[-400:], "stderr_tail": done.stderr[-400:],
             })
     requests = Counter(f"{m} {p} {s}" for m, p, s in routes.seen[first_route:])
+    body_keys: dict[str, list[str]] = {}
+    for (m, p, _), body in zip(routes.seen[first_route:], routes.bodies[first_route:], strict=True):
+        keys = body_keys.setdefault(f"{m} {p}", [])
+        keys += [key for key in body or {} if key not in keys]
+    if bodies:
+        bodies.mkdir(parents=True, exist_ok=True)
+        for n, ((_, p, s), body) in enumerate(zip(routes.seen[first_route:], routes.bodies[first_route:],
+                                                  strict=True)):
+            route = p.strip("/").replace("/", "_")
+            (bodies / f"{name}_{engine.style}_{n:02d}_{route}_{s}.json").write_text(json.dumps(body, indent=1))
     return {"client": name, "version": version(binary), "template": engine.style, "requests": dict(requests),
-            "turns": turns}
+            "body_keys": body_keys, "turns": turns}
 
 
 def passed(row: dict) -> bool:
@@ -205,21 +290,22 @@ def passed(row: dict) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--claude", type=Path, default=DEFAULT_BIN / "claude")
-    ap.add_argument("--codex", type=Path, default=DEFAULT_BIN / "codex")
+    ap.add_argument("--clients", default=",".join(CLIENTS), help="which clients, in turn")
+    ap.add_argument("--bin", type=Path, default=DEFAULT_BIN, help="where the clients' executables are")
     ap.add_argument("--templates", default="qwen,harmony", help="the scripted model's formats, in turn")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
+    ap.add_argument("--bodies", type=Path, default=None, help="write every request's JSON body here")
     args = ap.parse_args()
-    binaries = {"claude-code": args.claude, "codex": args.codex}
+    binaries = {name: args.bin / BINARIES[name] for name in args.clients.split(",")}
     missing = [str(b) for b in binaries.values() if not shutil.which(str(b))]
     if missing:
         sys.exit(f"not found: {', '.join(missing)} (npm install --prefix /tmp/agents @anthropic-ai/claude-code "
-                 "@openai/codex)")
+                 "@openai/codex opencode-ai @qwen-code/qwen-code @continuedev/cli)")
     rows = []
     for style in args.templates.split(","):
         engine = ScriptedAgentEngine(style)
         url, routes, server = start_server(engine)
-        rows += [check_client(name, binary, engine, url, routes) for name, binary in binaries.items()]
+        rows += [check_client(name, binary, engine, url, routes, args.bodies) for name, binary in binaries.items()]
         server.should_exit = True
     for row in rows:
         row["passed"] = passed(row)

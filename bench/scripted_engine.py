@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, Usage
+from engine.chat_messages import prepare_messages
 from engine.text_stream import IncrementalDetokenizer
 from tests.fixtures.tokenizers import build_tokenizer
 
@@ -37,6 +38,7 @@ class ScriptedEngine:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> list[int]:
+        messages = prepare_messages(messages, tool_template=True)  # as the real engine: text parts joined, ...
         text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template,
                                                   tokenize=False, add_generation_prompt=True,
                                                   **(template_kwargs or {}))
