@@ -72,15 +72,20 @@ def check_inputs(inputs: Sequence[str | list[int]], param: str) -> None:
         raise InvalidRequestError(f"at most {MAX_INPUTS} inputs in one request (got {len(inputs)})", param=param)
     for index, item in enumerate(inputs):
         if len(item) == 0:
-            where = param if len(inputs) == 1 else f"{param}[{index}]"
-            raise InvalidRequestError(f"{where} is empty: there is nothing to embed", param=param)
+            raise InvalidRequestError(f"{_named(param, index, inputs)} is empty: there is nothing to embed",
+                                      param=param)
 
 
 def check_token_ids(inputs: Sequence[str | list[int]], vocab_size: int, param: str) -> None:
     for index, item in enumerate(inputs):
         if isinstance(item, list) and any(not 0 <= t < vocab_size for t in item):
-            where = param if len(inputs) == 1 else f"{param}[{index}]"
-            raise InvalidRequestError(f"{where}: token ids must be in [0, {vocab_size})", param=param)
+            raise InvalidRequestError(f"{_named(param, index, inputs)}: token ids must be in [0, {vocab_size})",
+                                      param=param)
+
+
+def _named(param: str, index: int, inputs: Sequence) -> str:
+    """How an error names input `index`: the field alone for a lone input, else with its index."""
+    return param if len(inputs) == 1 else f"{param}[{index}]"
 
 
 def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
