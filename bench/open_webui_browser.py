@@ -28,6 +28,10 @@ text file with one distinctive fact (or `--attach FILE`) is attached in the chat
 it (its chip stops spinning), the question is about it. The proxy then also records, per request, how many
 inputs an embedding request carried and whether a body carried the fact (the document reached the prompt),
 and writes every body to request_bodies.jsonl in --logs.
+
+With `--knowledge` (implies `--rag`'s embedding settings), the file goes into a Knowledge collection instead:
+Workspace → Knowledge → create a collection, upload the file into it (wait for "File added successfully." or
+an error toast), then in a new chat type `#`, pick the collection from the list, and ask the question.
 """
 
 from __future__ import annotations
@@ -388,6 +392,64 @@ def attach_file(page: Any, path: Path, timeout_s: float) -> dict[str, Any]:
             "seconds_attach_to_processed": round(time.monotonic() - t0, 1), "errors_after_attach": error_texts(page)}
 
 
+KNOWLEDGE_NAME = "Heron records"
+
+
+def toasts(page: Any) -> list[str]:
+    """Every toast Open WebUI shows now (success ones too), as "type: text"."""
+    return [f"{el.get_attribute('data-type')}: {el.inner_text().strip()}"
+            for el in page.locator("[data-sonner-toast]").all() if el.is_visible()]
+
+
+def create_knowledge(page: Any, url: str, path: Path, timeout_s: float) -> dict[str, Any]:
+    """Workspace → Knowledge → create a collection named KNOWLEDGE_NAME, upload `path` into it through the
+    collection page's file input, and wait for Open WebUI's "File added successfully." (or an error) toast."""
+    seen: list[str] = []
+    page.goto(f"{url}/workspace/knowledge/create", wait_until="load", timeout=120_000)
+    name = page.get_by_placeholder("Name your knowledge base")
+    name.wait_for(timeout=120_000)
+    name.fill(KNOWLEDGE_NAME)
+    page.get_by_placeholder("Describe your knowledge base and objectives").fill("Records of Project Heron")
+    page.get_by_role("button", name="Create Knowledge").click()
+    page.wait_for_url(re.compile(r".*/workspace/knowledge/(?!create)[^/]+$"), timeout=120_000)
+    knowledge_id = page.url.rstrip("/").rsplit("/", 1)[-1]
+    seen += toasts(page)
+    page.locator("#files-input").wait_for(state="attached", timeout=60_000)
+    t0 = time.monotonic()
+    page.locator("#files-input").set_input_files(str(path))
+    deadline = time.monotonic() + timeout_s
+    added = False
+    while time.monotonic() < deadline:
+        now = toasts(page)
+        seen += [t for t in now if t not in seen]
+        if any("File added successfully" in t for t in now):
+            added = True
+            break
+        if any(t.startswith(("error", "warning")) for t in now):
+            break
+        page.wait_for_timeout(250)
+    seconds = round(time.monotonic() - t0, 1)
+    page.wait_for_timeout(2000)
+    seen += [t for t in toasts(page) if t not in seen]
+    return {"knowledge_id": knowledge_id, "file": path.name, "bytes": path.stat().st_size, "added": added,
+            "seconds_upload_to_added": seconds, "file_listed": bool(page.get_by_text(path.name).count()),
+            "toasts": seen, "errors_after_upload": error_texts(page)}
+
+
+def reference_knowledge(page: Any) -> dict[str, Any]:
+    """In the chat input type `#` and the collection's first word, pick the collection from the list."""
+    page.locator("#chat-input").click()
+    page.keyboard.type("#" + KNOWLEDGE_NAME.split()[0])
+    option = page.locator("button[data-selected]").filter(has_text=KNOWLEDGE_NAME).first
+    option.wait_for(timeout=60_000)
+    options = [b.inner_text().strip() for b in page.locator("button[data-selected]").all()]
+    option.click()
+    page.wait_for_timeout(1000)
+    chip = page.locator("#message-input-container").get_by_text(KNOWLEDGE_NAME)
+    return {"options_after_hash": options, "chip_shown": bool(chip.count()),
+            "input_after_pick": page.locator("#chat-input").inner_text().strip()}
+
+
 def wait_quiet(in_flight: list[int], max_s: float) -> None:
     """Let the requests Open WebUI sends after an answer (title, tags, follow-ups) finish."""
     deadline = time.monotonic() + max_s
@@ -411,7 +473,15 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
         dismiss_popups(page)
         selected = ensure_model(page)
         attached = None
-        if args.rag:
+        if args.knowledge:
+            doc = args.attach or write_document(Path(tempfile.mkdtemp(prefix="owui-doc-")))
+            attached = create_knowledge(page, url, doc, args.answer_timeout)
+            page.goto(url, wait_until="load", timeout=120_000)  # a new chat
+            page.locator("#chat-input").wait_for(timeout=180_000)
+            dismiss_popups(page)
+            selected = ensure_model(page)
+            attached["reference"] = reference_knowledge(page)
+        elif args.rag:
             attached = attach_file(page, args.attach or write_document(Path(tempfile.mkdtemp(prefix="owui-doc-"))),
                                    args.answer_timeout)
         t0 = time.monotonic()
@@ -430,6 +500,7 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
             wait_quiet(in_flight, args.settle)
         page.wait_for_timeout(2000)
         errors = error_texts(page)
+        toasts_at_end = toasts(page)
         args.screenshot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(args.screenshot))
         title = page.title()
@@ -437,7 +508,7 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
     found = {"contains_4417": "4417" in answer, "attached": attached} if args.rag else {"contains_paris": "Paris" in answer}
     return {"answer": answer, **found, "seconds_to_answer":
             round(seconds, 1), "follow_up": follow_up, "errors_seen": errors, "model_selected": selected,
-            "page_title": title}
+            "page_title": title, "toasts_at_end": toasts_at_end}
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -463,13 +534,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rag", action="store_true",
                    help="documents: Open WebUI embeds through moe-serve (same connection); a text file is "
                         "attached to the chat and the question is about it")
+    p.add_argument("--knowledge", action="store_true",
+                   help="like --rag, but the file goes into a Workspace → Knowledge collection, referenced in the "
+                        "chat with #")
     p.add_argument("--attach", type=Path, default=None, help="with --rag, this file instead of a written one")
     p.add_argument("--no-tasks", action="store_true",
                    help="turn off Open WebUI's background tasks (title, tags, follow-ups, retrieval queries): on a "
                         "slow CPU each of them goes before the answer")
     p.add_argument("--settle", type=float, default=300,
                    help="at most this long after the answer for Open WebUI's background requests")
-    return p.parse_args()
+    args = p.parse_args()
+    args.rag = args.rag or args.knowledge
+    return args
 
 
 def main() -> None:
