@@ -12,6 +12,10 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 Pooling = Literal["mean", "last"]  # how an embedding request's last hidden states [T, H] become one vector
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
+# padded positions in one embedding pass: several inputs at once read each expert once, not once per input
+# (the demo model on the CPU: 8 inputs of ~250 tokens in 0.2-0.6 of the time one after another), yet a
+# streamed chat waits for no more than a prompt of this length
+EMBEDDING_BATCH_TOKENS = 2048
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
 # requests waiting or running (--max-queue), Ollama's OLLAMA_MAX_QUEUE: Open WebUI embeds a document one chunk per
 # request, all at once (a 100 KB text is ~120 requests); a waiting request holds only its prompt's ids
@@ -156,6 +160,13 @@ class GenerationRequest:
     # an embedding instead of a completion: the model's last hidden states over the prompt, pooled (mean: the
     # average over every position; last: the last position's), on the only event; no token is sampled
     pooling: Pooling | None = None
+    # with `pooling`: further inputs, embedded in the same pass as `prompt_token_ids` (a right-padded batch);
+    # the only event then carries one vector per input, in this order
+    more_inputs: tuple[list[int], ...] = ()
+
+    @property
+    def inputs(self) -> list[list[int]]:
+        return [self.prompt_token_ids, *self.more_inputs]
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,19 @@ class GenerationEvent:
     stop_sequence: str | None = None  # on a "stop" event: the stop string that ended it; None: end of sequence
     # on the first event when SamplingParams.prompt_logprobs asked: one per prompt token, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    embedding: tuple[float, ...] | None = None  # [H], on the only event of a request with `pooling`
+    embeddings: tuple[tuple[float, ...], ...] = ()  # [N, H]: on the only event of a request with `pooling`
+
+
+def embedding_batches(lengths: list[int]) -> list[list[int]]:
+    """The indices of inputs of these lengths, grouped into embedding passes: by length (little padding), each
+    group's count × its longest within EMBEDDING_BATCH_TOKENS; a longer input goes alone (fed in chunks)."""
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[index] <= EMBEDDING_BATCH_TOKENS:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 def supported_families() -> tuple[str, ...]:

@@ -36,6 +36,7 @@ from engine.api import (
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
+    Pooling,
     SamplingParams,
     TokenLogprob,
     Usage,
@@ -313,13 +314,23 @@ class Engine:
         if any(t is not None and not 0 <= t < self.vocab_size for t in thinking_ids):
             raise InvalidRequestError(f"the thinking markers must be token ids in [0, {self.vocab_size})",
                                       param="thinking_budget")
-        wanted = len(prompt) + (1 if params.max_tokens is None else params.max_tokens)
         if request.pooling is not None:  # an embedding samples nothing
-            if request.pooling not in POOLINGS:
-                raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
-            wanted = len(prompt)
+            self._validate_embedding(request)
+            return
+        wanted = len(prompt) + (1 if params.max_tokens is None else params.max_tokens)
         if wanted > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(prompt), wanted - len(prompt))
+
+    def _validate_embedding(self, request: GenerationRequest) -> None:
+        if request.pooling not in POOLINGS:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
+        for ids in request.more_inputs:
+            if not ids:
+                raise InvalidRequestError("an input is empty", param="prompt")
+            self._check_prompt_ids(ids)
+        longest = max(map(len, request.inputs))
+        if longest > self.max_model_len:
+            raise ContextLengthError(self.max_model_len, longest, 0)
 
     # -- generation --------------------------------------------------------------------
     def generate(
@@ -454,28 +465,50 @@ class Engine:
             start = end
 
     def _embedding_event(self, request: GenerationRequest) -> GenerationEvent:
-        """An embedding request's only event: the prompt's last hidden states (after the model's final norm)
-        pooled into one float32 vector [H]. The whole prompt is computed (no kept prefix: every position's
-        states are needed), in chunks like a scored prompt, so only [chunk, H] states exist at once."""
-        prompt, decoder = request.prompt_token_ids, self.model.base_model
-        self.prompt_tokens += len(prompt)
+        """An embedding request's only event: each input's last hidden states (after the model's final norm)
+        pooled into one float32 vector [H]. Every position's states are needed: no kept prefix is used."""
+        inputs = request.inputs
+        tokens = sum(map(len, inputs))
+        self.prompt_tokens += tokens
         if self.prefix_cache is not None:
-            self.prefix_cache.make_room(len(prompt))
+            self.prefix_cache.make_room(len(inputs) * max(map(len, inputs)))
+        if len(inputs) == 1:
+            pooled = self._pooled_in_chunks(inputs[0], request.pooling)[None]  # [1, H]
+        else:
+            pooled = self._pooled_batch(inputs, request.pooling)
+        self.last_times.end = time.perf_counter()
+        log.info("request %s: the embeddings of %d inputs, %d tokens, %.2f s", request.request_id, len(inputs),
+                 tokens, self.last_times.end - self.last_times.start)
+        return GenerationEvent("", finish_reason="stop", usage=Usage(tokens, 0),
+                               embeddings=tuple(tuple(row) for row in pooled.tolist()))
+
+    def _pooled_in_chunks(self, prompt: list[int], pooling: Pooling) -> torch.Tensor:
+        """[H]: one input, fed in chunks like a scored prompt, so only [chunk, H] states exist at once."""
         kv, start, total = None, 0, None
         while True:
             end = self._scoring_chunk_end(start, len(prompt), kv)
             input_ids = torch.tensor([prompt[start:end]], dtype=torch.long, device=self.device)  # [1, C]
-            out = decoder(input_ids=input_ids, cache=kv, use_cache=True)
+            out = self.model.base_model(input_ids=input_ids, cache=kv, use_cache=True)
             hidden, kv = out.last_hidden_state[0].float(), out.cache  # [C, H]
             total = hidden.sum(0) if total is None else total + hidden.sum(0)  # [H]
             if end == len(prompt):
                 break
             start = end
-        pooled = total / len(prompt) if request.pooling == "mean" else hidden[-1]
-        self.last_times.end = time.perf_counter()
-        log.info("request %s: the embedding of %d prompt tokens, %.2f s", request.request_id, len(prompt),
-                 self.last_times.end - self.last_times.start)
-        return GenerationEvent("", finish_reason="stop", usage=Usage(len(prompt), 0), embedding=tuple(pooled.tolist()))
+        return total / len(prompt) if pooling == "mean" else hidden[-1]
+
+    def _pooled_batch(self, inputs: list[list[int]], pooling: Pooling) -> torch.Tensor:
+        """[N, H]: several inputs in one pass, padded on the right. The attention is causal, so no real position
+        sees a pad and each input's states are its own; pad positions' states are dropped."""
+        lengths = torch.tensor([len(ids) for ids in inputs], device=self.device)  # [N]
+        input_ids = torch.zeros(len(inputs), int(lengths.max()), dtype=torch.long, device=self.device)  # [N, W]
+        for row, ids in enumerate(inputs):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask = torch.arange(input_ids.shape[1], device=self.device)[None] < lengths[:, None]  # [N, W]
+        out = self.model.base_model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False)
+        hidden = out.last_hidden_state.float()  # [N, W, H]
+        if pooling == "mean":
+            return (hidden * mask[..., None]).sum(1) / lengths[:, None]
+        return hidden[torch.arange(len(inputs), device=self.device), lengths - 1]
 
     @staticmethod
     def _scoring_chunk_end(start: int, length: int, kv: Cache | None) -> int:

@@ -1,9 +1,10 @@
 """Embeddings: OpenAI's `/v1/embeddings` wire types, and what it shares with Ollama's `/api/embed` and
 `/api/embeddings` (server/ollama_routes.py).
 
-Each input is one engine request with `pooling` (the server's `--pooling`): the engine computes the whole
-input and pools the model's last hidden states into one vector [H]. A request's inputs run one after another
-under one ticket, as a batch of completion prompts does (a streamed chat goes first between two of them).
+An engine request with `pooling` (the server's `--pooling`) computes its inputs and pools the model's last
+hidden states of each into one vector [H]. A request's inputs go in batches of similar length, one engine request
+each, run one after another under one ticket as a batch of completion prompts is (a streamed chat goes first
+between two of them).
 OpenAI's vectors and Ollama's `/api/embed`'s are L2-normalized; `dimensions` keeps the first N components
 and normalizes again, as Ollama does (a model not trained for shorter vectors loses information so).
 """
@@ -22,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from engine.api import GenerationRequest, InvalidRequestError
+from engine.api import GenerationRequest, InvalidRequestError, embedding_batches
 from server.protocol import OpenAIBaseModel, ResponseModel, random_id
 from server.serving import Outcome, Serving
 
@@ -104,12 +105,16 @@ def base64_floats(vector: Sequence[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
+Vectors = list[tuple[float, ...]]  # [N, H], in the order of the request's inputs
+
+
 @dataclass(frozen=True)
 class EmbeddingFormat:
-    """What `Serving.run` needs to collect a request's vectors (never streamed): `build` makes the
-    response from the outcomes, one per input with its `embedding`."""
+    """What `Serving.run` needs to collect a request's vectors (never streamed): `build` makes the response
+    from the vectors in input order and the prompt tokens they took."""
 
-    build: Callable[[list[Outcome]], BaseModel]
+    build: Callable[[Vectors, int], BaseModel]
+    order: list[int]  # the input each vector the engine requests return stands for, in turn
     prompt_param: str = "input"  # the request field errors about an input name
 
     def choice(self, index: int) -> EmbeddingFormat:
@@ -119,24 +124,35 @@ class EmbeddingFormat:
         return Outcome()
 
     def response(self, outcomes: list[Outcome]) -> BaseModel:
-        return self.build(outcomes)
+        vectors: Vectors = [()] * len(self.order)
+        for index, vector in zip(self.order, (v for outcome in outcomes for v in outcome.embeddings), strict=True):
+            vectors[index] = vector
+        return self.build(vectors, sum(outcome.usage.prompt_tokens for outcome in outcomes))
 
 
-async def run_embeddings(raw: Request, serving: Serving, inputs: list[list[int]], fmt: EmbeddingFormat) -> Response:
-    """Each input's pooled vector, collected into `fmt`'s response (the inputs' token ids)."""
-    request_id = random_id("embd")
-    requests = [GenerationRequest(request_id, ids, pooling=raw.app.state.pooling) for ids in inputs]
+async def run_embeddings(raw: Request, serving: Serving, inputs: list[list[int]],
+                         build: Callable[[Vectors, int], BaseModel], prompt_param: str = "input") -> Response:
+    """Each input's pooled vector (the inputs' token ids), collected by `build`. Inputs of similar length go
+    to the engine together (`embedding_batches`); a streamed chat goes first between two such batches."""
+    request_id, pooling = random_id("embd"), raw.app.state.pooling
+    alone = [GenerationRequest(request_id, ids, pooling=pooling) for ids in inputs]
+    batches = embedding_batches([len(ids) for ids in inputs])
+    fmt = EmbeddingFormat(build, [index for batch in batches for index in batch], prompt_param)
+    serving.validate(fmt, alone)  # a refused input is named by its own index, not its batch's
+    requests = [GenerationRequest(request_id, inputs[first], pooling=pooling,
+                                  more_inputs=tuple(inputs[index] for index in rest))
+                for first, *rest in batches]
     return await serving.run(raw, fmt, requests if len(requests) > 1 else requests[0], stream=False)
 
 
-def openai_response(body: EmbeddingRequest, model: str) -> Callable[[list[Outcome]], EmbeddingResponse]:
-    def build(outcomes: list[Outcome]) -> EmbeddingResponse:
+def openai_response(body: EmbeddingRequest, model: str) -> Callable[[Vectors, int], EmbeddingResponse]:
+    def build(vectors: Vectors, tokens: int) -> EmbeddingResponse:
         data = []
-        for index, outcome in enumerate(outcomes):
-            vector = unit_vector(outcome.embedding, body.dimensions)
-            data.append(EmbeddingData(index=index, embedding=base64_floats(vector)
-                                      if body.encoding_format == "base64" else vector))
-        tokens = sum(outcome.usage.prompt_tokens for outcome in outcomes)
-        return EmbeddingResponse(data=data, model=model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        for index, vector in enumerate(vectors):
+            unit = unit_vector(vector, body.dimensions)
+            data.append(EmbeddingData(index=index, embedding=base64_floats(unit)
+                                      if body.encoding_format == "base64" else unit))
+        usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        return EmbeddingResponse(data=data, model=model, usage=usage)
 
     return build

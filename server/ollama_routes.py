@@ -31,7 +31,6 @@ from server.pipeline import (
     with_tool_warning,
 )
 from server.reasoning import ReasoningPlan
-from server.serving import Outcome
 from server.structured import with_response_format
 from server.tools import ToolPlan
 
@@ -108,12 +107,12 @@ async def ollama_embed(body: ollama.EmbedRequest, raw: Request) -> Response:
     if body.truncate:  # Ollama's default: the start of a long input, as much as the context holds
         inputs = [ids[: engine.max_model_len] for ids in inputs]
 
-    def reply(outcomes: list[Outcome]) -> ollama.EmbedReply:
+    def reply(vectors: emb.Vectors, tokens: int) -> ollama.EmbedReply:
         return ollama.EmbedReply(
-            model=body.model, embeddings=[emb.unit_vector(o.embedding, body.dimensions) for o in outcomes],
-            total_duration=time.monotonic_ns() - started, prompt_eval_count=sum(len(ids) for ids in inputs))
+            model=body.model, embeddings=[emb.unit_vector(vector, body.dimensions) for vector in vectors],
+            total_duration=time.monotonic_ns() - started, prompt_eval_count=tokens)
 
-    return await emb.run_embeddings(raw, serving(raw), inputs, emb.EmbeddingFormat(reply))
+    return await emb.run_embeddings(raw, serving(raw), inputs, reply)
 
 
 @router.post("/api/embeddings")
@@ -123,10 +122,10 @@ async def ollama_embeddings(body: ollama.EmbeddingsRequest, raw: Request) -> Res
         return JSONResponse(ollama.EmbeddingsReply(embedding=[]).model_dump())
     ids = (await run_in_threadpool(engine.encode, body.prompt))[: engine.max_model_len]
 
-    def reply(outcomes: list[Outcome]) -> ollama.EmbeddingsReply:
-        return ollama.EmbeddingsReply(embedding=list(outcomes[0].embedding))
+    def reply(vectors: emb.Vectors, tokens: int) -> ollama.EmbeddingsReply:
+        return ollama.EmbeddingsReply(embedding=list(vectors[0]))
 
-    return await emb.run_embeddings(raw, serving(raw), [ids], emb.EmbeddingFormat(reply, prompt_param="prompt"))
+    return await emb.run_embeddings(raw, serving(raw), [ids], reply, prompt_param="prompt")
 
 
 async def _model_facts(raw: Request, engine) -> ModelFacts:

@@ -70,8 +70,8 @@ async def create_embeddings(body: emb.EmbeddingRequest, raw: Request) -> Respons
     given = body.inputs()
     emb.check_token_ids(given, engine.vocab_size, "input")
     inputs = [await prompt_token_ids(engine, item) for item in given]
-    fmt = emb.EmbeddingFormat(emb.openai_response(body, model_name(engine, body.model)))
-    return await emb.run_embeddings(raw, serving(raw), inputs, fmt)
+    build = emb.openai_response(body, model_name(engine, body.model))
+    return await emb.run_embeddings(raw, serving(raw), inputs, build)
 
 
 async def prompt_token_ids(engine, prompt: str | list[int]) -> list[int]:

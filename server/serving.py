@@ -149,15 +149,15 @@ class Outcome:
     reasoning: ReasoningTokens | None = None  # where a reasoning parser reads the output
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # where the request asked (echo)
-    embedding: tuple[float, ...] | None = None  # an embedding request's vector [H]
+    embeddings: tuple[tuple[float, ...], ...] = ()  # an embedding request's vectors [N, H]
 
     def add(self, event: GenerationEvent) -> None:
         self.text += event.text
         self.logprobs.extend(event.logprobs)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
-        if event.embedding is not None:
-            self.embedding = event.embedding
+        if event.embeddings:
+            self.embeddings = event.embeddings
         if self.reasoning is not None:
             self.reasoning.add(event.text, len(event.token_ids))
         if event.finish_reason is not None:
@@ -505,9 +505,7 @@ class Serving:
         prompt, each a generation of its request (see `choice_requests` and `batch_requests`)."""
         timer = self.metrics.track()  # errors raised from here are counted by the error handlers
         prompts = request if isinstance(request, list) else [request]
-        for index, prompt in enumerate(prompts):  # a bad request is answered at once, not after its turn
-            with _prompt_errors(fmt, index if len(prompts) > 1 else None):
-                self.client.engine.validate(prompt)
+        self.validate(fmt, prompts)
         ticket = await self.scheduler.acquire(streams=stream)
         requests = batch_requests(prompts, n)
         try:
@@ -523,6 +521,13 @@ class Serving:
             return StreamingResponse(events, media_type=NDJSON_MEDIA_TYPE)
         return EventSourceResponse(events, sep="\n", shutdown_event=shutdown,
                                    shutdown_grace_period=self.drain_s + SHUTDOWN_GRACE_S)
+
+    def validate(self, fmt: Format, prompts: list[GenerationRequest]) -> None:
+        """A bad request is answered at once, not after its turn; in a batch, a refused prompt is named by its
+        index."""
+        for index, prompt in enumerate(prompts):
+            with _prompt_errors(fmt, index if len(prompts) > 1 else None):
+                self.client.engine.validate(prompt)
 
     async def _submit(self, request: GenerationRequest, fmt: Format) -> Submission:
         with _prompt_errors(fmt):

@@ -131,6 +131,29 @@ def test_an_input_longer_than_the_context_is_a_400_and_ollama_cuts_it(server, ht
     assert refused.status_code == 400 and "maximum context length" in refused.json()["error"]
 
 
+def test_many_inputs_of_mixed_lengths_come_back_in_their_order(http, reference):
+    """The server groups inputs by length into padded passes (and reorders them so): each vector is still
+    its own input's, at its index, for OpenAI's route and Ollama's."""
+    texts = [TEXTS[i % 3] * (1 + i % 4) for i in range(10)]  # lengths out of order, some equal
+    expected = [unit(pooled(reference, text_ids(reference, text))) for text in texts]
+    data = embeddings(http, input=texts, encoding_format="float")["data"]
+    assert [d["index"] for d in data] == list(range(len(texts)))
+    for got, want in zip(data, expected, strict=True):
+        close(got["embedding"], want)
+    ollama = http.post("/api/embed", json={"model": MODEL, "input": texts}).json()
+    for got, want in zip(ollama["embeddings"], expected, strict=True):
+        close(got, want)
+    assert ollama["prompt_eval_count"] == sum(len(text_ids(reference, text)) for text in texts)
+
+
+def test_a_too_long_input_among_others_is_named_by_its_index(http, reference):
+    limit = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    short = text_ids(reference, TEXTS[0])
+    answer = http.post("/v1/embeddings", json={"model": MODEL, "input": [short, short, (short * limit)[: limit + 1]]})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+    assert answer.json()["error"]["message"].startswith("input[2]: ")
+
+
 def test_ollama_embed_is_normalized_and_embeddings_is_not(http, reference):
     answer = http.post("/api/embed", json={"model": MODEL, "input": TEXTS[:2], "keep_alive": "5m"})
     assert answer.status_code == 200, answer.text
