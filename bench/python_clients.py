@@ -453,6 +453,27 @@ def run_check(check, urls: list[str]) -> dict:
     return row
 
 
+def run_libraries(libraries: dict, names: list[str], out: Path | None) -> None:
+    """Start both servers, run each library's checks (`libraries[name](demo_url, scripted_url)` gives
+    {call: check}), print the JSON object (and write it to `out`), exit 1 if any check failed."""
+    (demo_proc, demo), (scripted_proc, scripted) = start("demo"), start("scripted")
+    results = {}
+    try:
+        for name in names:
+            checks = libraries[name](demo, scripted)
+            results[name] = {call: run_check(check, [demo, scripted]) for call, check in checks.items()}
+            print(f"{name}: {sum(r['passed'] for r in results[name].values())}/{len(checks)} passed", file=sys.stderr)
+    finally:
+        for proc in (demo_proc, scripted_proc):
+            proc.terminate()
+            proc.wait(timeout=60)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if out:
+        out.write_text(text, encoding="utf-8")
+    sys.exit(0 if all(r["passed"] for rows in results.values() for r in rows.values()) else 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--serve", choices=["demo", "scripted"], help=argparse.SUPPRESS)
@@ -462,22 +483,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.serve:
         return serve(args.serve, args.port)
-    (demo_proc, demo), (scripted_proc, scripted) = start("demo"), start("scripted")
-    results = {}
-    try:
-        for name in args.only.split(","):
-            checks = LIBRARIES[name](demo, scripted)
-            results[name] = {call: run_check(check, [demo, scripted]) for call, check in checks.items()}
-            print(f"{name}: {sum(r['passed'] for r in results[name].values())}/{len(checks)} passed", file=sys.stderr)
-    finally:
-        for proc in (demo_proc, scripted_proc):
-            proc.terminate()
-            proc.wait(timeout=60)
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text, encoding="utf-8")
-    sys.exit(0 if all(r["passed"] for rows in results.values() for r in rows.values()) else 1)
+    run_libraries(LIBRARIES, args.only.split(","), args.out)
 
 
 if __name__ == "__main__":
