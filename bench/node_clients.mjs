@@ -112,6 +112,16 @@ function openaiCalls() {
       const content = await runner.finalContent();
       return expect(content?.includes(C.tool_result), content);
     },
+    'chat.completions.runTools stream': async () => {
+      const runner = (await scripted()).chat.completions.runTools({
+        model: C.scripted_model, messages: C.weather_ask, stream: true,
+        tools: [{ type: 'function', function: { ...C.weather_tool.function, parse: JSON.parse,
+          function: (args) => (args.city === 'Paris' ? C.tool_result : 'wrong city') } }] });
+      let text = '';
+      runner.on('content', (delta) => { text += delta; });
+      const content = await runner.finalContent();
+      return expect(content?.includes(C.tool_result) && text === content, { content, text });
+    },
     'responses.create': async () => {
       const out = await (await demo()).responses.create(
         { model: C.demo_model, input: C.ask[0].content, max_output_tokens: C.n, temperature: 0 });
@@ -154,6 +164,33 @@ function openaiCalls() {
       const out = await (await scripted()).responses.parse({
         model: C.scripted_model, input: C.ask, text: { format: zodTextFormat(await personSchema(), 'person') } });
       return expect(equal(out.output_parsed, C.person), out.output_text);
+    },
+    'responses.create previous_response_id': async () => {
+      const openai = await demo();
+      const first = await openai.responses.create(
+        { model: C.demo_model, input: C.ask, max_output_tokens: C.n, temperature: 0 });
+      const second = await openai.responses.create({ model: C.demo_model, previous_response_id: first.id,
+        input: 'Again, please.', max_output_tokens: C.n, temperature: 0 });
+      return expect(Boolean(second.output_text) && second.previous_response_id === first.id, second.output_text);
+    },
+    'chat.completions.create json_object': async () => {
+      const out = await (await scripted()).chat.completions.create(
+        { model: C.scripted_model, messages: C.ask, response_format: { type: 'json_object' } });
+      return expect(equal(JSON.parse(out.choices[0].message.content), C.person), out.choices[0].message);
+    },
+    'error: unknown model is NotFoundError': async () => {
+      const { NotFoundError } = await load('openai');
+      const e = await (await demo()).chat.completions.create({ model: 'no-such-model', messages: C.ask })
+        .then(() => null, (err) => err);
+      return expect(e instanceof NotFoundError && e.code === 'model_not_found' && e.message.includes('no-such-model'),
+        { name: e?.name, status: e?.status, code: e?.code, message: e?.message });
+    },
+    'error: bad max_tokens is BadRequestError': async () => {
+      const { BadRequestError } = await load('openai');
+      const e = await (await demo()).chat.completions.create({ model: C.demo_model, messages: C.ask, max_tokens: -1 })
+        .then(() => null, (err) => err);
+      return expect(e instanceof BadRequestError && Boolean(e.error?.message),
+        { name: e?.name, status: e?.status, error: e?.error });
     },
     'models.list': async () => {
       const ids = [];
@@ -198,6 +235,13 @@ const AI_PROVIDERS = {
     const { createOpenAICompatible } = await load('@ai-sdk/openai-compatible');
     // it asks for usage in streams (stream_options.include_usage) only when told to, as OpenAI and vLLM answer
     const p = createOpenAICompatible({ name: 'moe-serve', baseURL: `${base}/v1`, apiKey: 'unused', includeUsage: true });
+    return [p(model), p.embeddingModel(model)];
+  },
+  // its default asks json_object with the schema in the prompt (and warns); this server decodes json_schema
+  '@ai-sdk/openai-compatible supportsStructuredOutputs': async (base, model) => {
+    const { createOpenAICompatible } = await load('@ai-sdk/openai-compatible');
+    const p = createOpenAICompatible({ name: 'moe-serve', baseURL: `${base}/v1`, apiKey: 'unused', includeUsage: true,
+      supportsStructuredOutputs: true });
     return [p(model), p.embeddingModel(model)];
   },
   'ollama-ai-provider-v2': async (base, model) => {
@@ -246,6 +290,16 @@ function aiCalls() {
         return expect(out.usage.outputTokens === 4, { text: out.text, usage: out.usage });
       };
     }
+    calls[`error: ${provider} unknown model is APICallError`] = async () => {
+      const { generateText, APICallError } = await load('ai');
+      const [model] = await make(C.demo, 'no-such-model');
+      const e = await generateText({ model, prompt: 'Hi', maxRetries: 0 }).then(() => null, (err) => err);
+      // ollama-ai-provider-v2 reads only OpenAI's error shape, not Ollama's {"error": "..."}: its message is the
+      // status text, the server's words are in responseBody (so with Ollama itself too)
+      const said = provider === 'ollama-ai-provider-v2' ? e?.responseBody : e?.message;
+      return expect(APICallError.isInstance(e) && e.statusCode === 404 && said?.includes('no-such-model')
+        && !e.isRetryable, { name: e?.name, status: e?.statusCode, message: e?.message });
+    };
     calls[`${provider} streamText tool execute, stopWhen stepCountIs(3)`] = async () => {
       const { streamText, tool, stepCountIs } = await load('ai');
       const getWeather = tool({ description: 'The weather in a city', inputSchema: await weatherArgs(),
@@ -332,6 +386,8 @@ function langchainOpenaiCalls() {
     'bindTools round trip, invoke': async () => langchainRoundTrip(await scripted(), false),
     'bindTools round trip, stream': async () => langchainRoundTrip(await scripted(), true),
     'bindTools round trip, useResponsesApi': async () => langchainRoundTrip(await scripted({ useResponsesApi: true }), false),
+    'bindTools round trip, useResponsesApi stream': async () =>
+      langchainRoundTrip(await scripted({ useResponsesApi: true }), true),
     'withStructuredOutput default': async () => langchainStructured(await scripted()),
     'withStructuredOutput jsonSchema': async () => langchainStructured(await scripted(), { method: 'jsonSchema' }),
     // LangChain JS names the function `extract` unless given a name (Python's names it after the class); the
@@ -339,6 +395,11 @@ function langchainOpenaiCalls() {
     'withStructuredOutput functionCalling': async () =>
       langchainStructured(await scripted(), { method: 'functionCalling', name: 'Person' }),
     'withStructuredOutput jsonMode': async () => langchainStructured(await scripted(), { method: 'jsonMode' }),
+    'error: unknown model': async () => {
+      const e = await (await chat(C.demo, 'no-such-model', { maxRetries: 0 })).invoke('Hi').then(() => null, (err) => err);
+      return expect(e?.status === 404 && e.message.includes('no-such-model') && e.lc_error_code === 'MODEL_NOT_FOUND',
+        { name: e?.name, status: e?.status, code: e?.lc_error_code, message: e?.message });
+    },
     'OpenAIEmbeddings embedDocuments, embedQuery': async () => {
       const { OpenAIEmbeddings } = await load('@langchain/openai');
       const e = new OpenAIEmbeddings({ model: C.demo_model, apiKey: 'unused', configuration: { baseURL: `${C.demo}/v1` } });
@@ -365,6 +426,10 @@ function langchainOllamaCalls() {
     // scripted engine calls only a function named Person
     'withStructuredOutput functionCalling': async () =>
       langchainStructured(await scripted(), { method: 'functionCalling', name: 'Person' }),
+    'error: unknown model': async () => {
+      const e = await (await chat(C.demo, 'no-such-model', { maxRetries: 0 })).invoke('Hi').then(() => null, (err) => err);
+      return expect(Boolean(e) && e.message.includes('no-such-model'), { name: e?.name, message: e?.message });
+    },
     'OllamaEmbeddings embedDocuments': async () => {
       const { OllamaEmbeddings } = await load('@langchain/ollama');
       return unitVectors(await new OllamaEmbeddings({ model: C.demo_model, baseUrl: C.demo }).embedDocuments(C.texts),
@@ -435,6 +500,11 @@ function ollamaCalls() {
     embeddings: async () => {
       const v = (await (await client(C.demo)).embeddings({ model: C.demo_model, prompt: C.texts[0] })).embedding;
       return expect(v.length > 0 && Math.abs(v.reduce((s, x) => s + x * x, 0) - 1) > 1e-3, v.length);
+    },
+    'error: unknown model is ResponseError': async () => {
+      const e = await (await client(C.demo)).chat({ model: 'no-such-model', messages: C.ask }).then(() => null, (err) => err);
+      return expect(e?.name === 'ResponseError' && e.status_code === 404 && e.error.includes('no-such-model'),
+        { name: e?.name, status: e?.status_code, error: e?.error });
     },
     list: async () => {
       const n = names(await (await client(C.demo)).list());
