@@ -49,15 +49,29 @@ N = 16  # tokens the demo model writes per answer
 
 # ---------------------------------------------------------------- the servers (run with the project's venv)
 
+def tool_call(name: str, arguments: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
 def scripted_answer(prompt: str, grammar: str | None) -> str:
     last = prompt.rsplit("<|im_start|>", 2)[-2]  # the turn before the generation prompt
-    result = re.search(r"<tool_response>\n(.*?)\n</tool_response>", last, re.S)
+    # smolagents sends a tool's result as a user turn, "Observation:\n..." (its design, vLLM gets the same)
+    result = (re.search(r"<tool_response>\n(.*?)\n</tool_response>", last, re.S)
+              or re.search(r"Observation:\n(.*?)\s*<\|im_end\|>", last, re.S))
     if result:
+        if '"name": "final_answer"' in prompt:  # smolagents ends a run only by this tool
+            return tool_call("final_answer", {"answer": f"The tool said: {result.group(1)}"})
         return f"The tool said: {result.group(1)}"
     calls = {"get_weather": {"city": "Paris"}, "Person": PERSON}
     for name, arguments in calls.items():
         if f'"name": "{name}"' in prompt:
-            return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+            return tool_call(name, arguments)
+    if "[[ ## completed ## ]]" in last:  # DSPy's ChatAdapter: each output field under its marker
+        return "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in PERSON.items()) + "[[ ## completed ## ]]"
+    if "Respond with a JSON object" in last:  # DSPy's JSONAdapter, which sends no response_format here
+        return json.dumps(PERSON)
+    if "```json" in last:  # asked for a JSON code block (instructor's MD_JSON): a model writes one
+        return f"```json\n{json.dumps(PERSON)}\n```"
     return json.dumps(PERSON) if grammar else "Hello from the scripted model."
 
 
@@ -431,9 +445,196 @@ def aider_checks(demo: str, scripted: str) -> dict:
     return checks if Path(binary).exists() else {}
 
 
+def get_weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+        city: the city
+    """
+    return TOOL_RESULT
+
+
+def run_async(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def pydantic_ai_checks(demo: str, scripted: str) -> dict:
+    from pydantic_ai import Agent, NativeOutput, PromptedOutput
+    from pydantic_ai.models.ollama import OllamaModel
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.ollama import OllamaProvider
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    Person = person_class()
+    settings = {"max_tokens": N, "temperature": 0}
+    models = {"OpenAIChatModel": lambda base, name: OpenAIChatModel(
+                  name, provider=OpenAIProvider(base_url=f"{base}/v1", api_key="unused")),
+              "OllamaModel": lambda base, name: OllamaModel(name, provider=OllamaProvider(base_url=f"{base}/v1"))}
+
+    def plain(make):
+        out = Agent(make(demo, DEMO), model_settings=settings).run_sync(ASK[0]["content"]).output
+        return expect(bool(out), out)
+
+    def streamed(make):
+        with Agent(make(demo, DEMO), model_settings=settings).run_stream_sync(ASK[0]["content"]) as result:
+            pieces = list(result.stream_text(delta=True))
+        return expect(bool("".join(pieces)), pieces)
+
+    def tools(make):
+        agent = Agent(make(scripted, SCRIPTED), tools=[get_weather])
+        out = agent.run_sync(WEATHER_ASK[0]["content"]).output
+        return expect(TOOL_RESULT in out, out)
+
+    def structured(make, wrap):
+        out = Agent(make(scripted, SCRIPTED), output_type=wrap(Person)).run_sync(ASK[0]["content"]).output
+        return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    checks = {}
+    for label, make in models.items():
+        checks[f"{label} run"] = lambda m=make: plain(m)
+        checks[f"{label} run_stream"] = lambda m=make: streamed(m)
+        checks[f"{label} tool round trip"] = lambda m=make: tools(m)
+        checks[f"{label} output_type (tool)"] = lambda m=make: structured(m, lambda t: t)
+        checks[f"{label} NativeOutput"] = lambda m=make: structured(m, NativeOutput)
+        checks[f"{label} PromptedOutput"] = lambda m=make: structured(m, PromptedOutput)
+    return checks
+
+
+def instructor_checks(demo: str, scripted: str) -> dict:
+    import instructor
+    from openai import OpenAI
+
+    Person = person_class()
+
+    def extract(mode):
+        client = instructor.from_openai(OpenAI(base_url=f"{scripted}/v1", api_key="unused"), mode=mode)
+        out = client.chat.completions.create(model=SCRIPTED, response_model=Person, messages=ASK, max_retries=0)
+        return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    modes = ("TOOLS", "JSON", "JSON_SCHEMA", "MD_JSON")
+    return {f"from_openai {m}": lambda m=m: extract(getattr(instructor.Mode, m)) for m in modes}
+
+
+def llama_index_checks(demo: str, scripted: str) -> dict:
+    from llama_index.core.agent.workflow import FunctionAgent
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from llama_index.embeddings.ollama import OllamaEmbedding
+    from llama_index.embeddings.openai import OpenAIEmbedding
+    from llama_index.llms.ollama import Ollama
+    from llama_index.llms.openai_like import OpenAILike
+
+    Person = person_class()
+    llms = {
+        "OpenAILike": lambda base, name, **kw: OpenAILike(
+            model=name, api_base=f"{base}/v1", api_key="unused", is_chat_model=True,
+            is_function_calling_model=True, context_window=8192, **kw),
+        "Ollama": lambda base, name, **kw: Ollama(model=name, base_url=base, request_timeout=120,
+                                                  context_window=8192, **kw)}
+    weather = FunctionTool.from_defaults(fn=get_weather)
+
+    def text(out) -> str:
+        return expect(bool(str(out).strip()), str(out))
+
+    def agent(make):
+        async def run():  # a workflow needs a running event loop from its start
+            return await FunctionAgent(tools=[weather], llm=make(scripted, SCRIPTED)).run(
+                user_msg=WEATHER_ASK[0]["content"])
+
+        out = run_async(run())
+        return expect(TOOL_RESULT in str(out), str(out))
+
+    def structured(make):
+        out = make(scripted, SCRIPTED).structured_predict(Person, PromptTemplate("Describe {who}."), who="Ada")
+        return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    ask = [ChatMessage(role="user", content=ASK[0]["content"])]
+    demo_llms = {"OpenAILike": lambda: llms["OpenAILike"](demo, DEMO, max_tokens=N, temperature=0),
+                 "Ollama": lambda: llms["Ollama"](demo, DEMO, temperature=0, additional_kwargs={"num_predict": N})}
+
+    def call(make):
+        out = str(make(scripted, SCRIPTED).predict_and_call([weather], WEATHER_ASK[0]["content"]))
+        return expect(TOOL_RESULT in out, out)
+
+    checks = {}
+    for label, make in llms.items():
+        plain = demo_llms[label]
+        checks[f"{label} complete"] = lambda d=plain: text(d().complete("Once upon a time"))
+        checks[f"{label} chat"] = lambda d=plain: text(d().chat(ask).message.content)
+        checks[f"{label} stream_chat"] = lambda d=plain: text("".join(c.delta or "" for c in d().stream_chat(ask)))
+        checks[f"{label} predict_and_call"] = lambda m=make: call(m)
+        checks[f"{label} FunctionAgent round trip (streamed)"] = lambda m=make: agent(m)
+        checks[f"{label} structured_predict"] = lambda m=make: structured(m)
+    checks["OpenAIEmbedding"] = lambda: unit_vectors(OpenAIEmbedding(
+        model_name=DEMO, api_base=f"{demo}/v1", api_key="unused").get_text_embedding_batch(TEXTS), len(TEXTS))
+    checks["OllamaEmbedding"] = lambda: unit_vectors(OllamaEmbedding(
+        model_name=DEMO, base_url=demo).get_text_embedding_batch(TEXTS), len(TEXTS))
+    return checks
+
+
+def dspy_checks(demo: str, scripted: str) -> dict:
+    import dspy
+
+    class Describe(dspy.Signature):
+        """Describe the person asked about."""
+        question: str = dspy.InputField()
+        name: str = dspy.OutputField()
+        age: int = dspy.OutputField()
+
+    def predict(adapter):
+        lm = dspy.LM(f"openai/{SCRIPTED}", api_base=f"{scripted}/v1", api_key="unused", cache=False)
+        with dspy.context(lm=lm, adapter=adapter):
+            out = dspy.Predict(Describe)(question="Who is Ada?")
+        return expect({"name": out.name, "age": out.age} == PERSON, out)
+
+    return {"Predict, ChatAdapter": lambda: predict(dspy.ChatAdapter(use_json_adapter_fallback=False)),
+            "Predict, JSONAdapter": lambda: predict(dspy.JSONAdapter())}
+
+
+def smolagents_checks(demo: str, scripted: str) -> dict:
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    def run():
+        model = OpenAIServerModel(model_id=SCRIPTED, api_base=f"{scripted}/v1", api_key="unused")
+        agent = ToolCallingAgent(tools=[tool(get_weather)], model=model, max_steps=3, verbosity_level=0)
+        out = agent.run(WEATHER_ASK[0]["content"])
+        return expect(TOOL_RESULT in str(out), out)
+
+    return {"OpenAIServerModel ToolCallingAgent round trip": run}
+
+
+def openai_agents_checks(demo: str, scripted: str) -> dict:
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no upload of traces to OpenAI
+
+    def run(model_class):
+        client = AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused")
+        agent = Agent(name="weather", instructions="Answer with the tool.", tools=[function_tool(get_weather)],
+                      model=model_class(model=SCRIPTED, openai_client=client))
+        out = Runner.run_sync(agent, WEATHER_ASK[0]["content"]).final_output
+        return expect(TOOL_RESULT in str(out), out)
+
+    return {"OpenAIChatCompletionsModel function tool": lambda: run(OpenAIChatCompletionsModel),
+            "OpenAIResponsesModel function tool": lambda: run(OpenAIResponsesModel)}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
-             "aider": aider_checks}
+             "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
+             "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
+             "openai-agents": openai_agents_checks}
 
 
 def run_check(check, urls: list[str]) -> dict:
