@@ -62,10 +62,11 @@ def scripted_answer(prompt: str, grammar: str | None) -> str:
         if '"name": "final_answer"' in prompt:  # smolagents ends a run only by this tool
             return tool_call("final_answer", {"answer": f"The tool said: {result.group(1)}"})
         return f"The tool said: {result.group(1)}"
-    calls = {"get_weather": {"city": "Paris"}, "Person": PERSON}
+    # (instructor's streamed Partial offers the Person function as "PartialPerson")
+    calls = {"get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
     for name, arguments in calls.items():
-        if f'"name": "{name}"' in prompt:
-            return tool_call(name, arguments)
+        if offered := re.search(f'"name": "({name})"', prompt):
+            return tool_call(offered.group(1), arguments)
     if "[[ ## completed ## ]]" in last:  # DSPy's ChatAdapter: each output field under its marker
         return "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in PERSON.items()) + "[[ ## completed ## ]]"
     if "Respond with a JSON object" in last:  # DSPy's JSONAdapter, which sends no response_format here
@@ -487,9 +488,19 @@ def pydantic_ai_checks(demo: str, scripted: str) -> dict:
         out = agent.run_sync(WEATHER_ASK[0]["content"]).output
         return expect(TOOL_RESULT in out, out)
 
-    def structured(make, wrap):
-        out = Agent(make(scripted, SCRIPTED), output_type=wrap(Person)).run_sync(ASK[0]["content"]).output
+    def structured(make, wrap, streamed: bool = False):
+        agent = Agent(make(scripted, SCRIPTED), output_type=wrap(Person))
+        if streamed:
+            with agent.run_stream_sync(ASK[0]["content"]) as result:
+                out = list(result.stream_output())[-1]
+        else:
+            out = agent.run_sync(ASK[0]["content"]).output
         return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    def streamed_tools(make):
+        with Agent(make(scripted, SCRIPTED), tools=[get_weather]).run_stream_sync(WEATHER_ASK[0]["content"]) as r:
+            out = "".join(r.stream_text(delta=True))
+        return expect(TOOL_RESULT in out, out)
 
     checks = {}
     for label, make in models.items():
@@ -499,6 +510,9 @@ def pydantic_ai_checks(demo: str, scripted: str) -> dict:
         checks[f"{label} output_type (tool)"] = lambda m=make: structured(m, lambda t: t)
         checks[f"{label} NativeOutput"] = lambda m=make: structured(m, NativeOutput)
         checks[f"{label} PromptedOutput"] = lambda m=make: structured(m, PromptedOutput)
+        checks[f"{label} run_stream tool round trip"] = lambda m=make: streamed_tools(m)
+        checks[f"{label} run_stream output_type (tool)"] = lambda m=make: structured(m, lambda t: t, True)
+        checks[f"{label} run_stream NativeOutput"] = lambda m=make: structured(m, NativeOutput, True)
     return checks
 
 
@@ -513,8 +527,16 @@ def instructor_checks(demo: str, scripted: str) -> dict:
         out = client.chat.completions.create(model=SCRIPTED, response_model=Person, messages=ASK, max_retries=0)
         return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
 
+    def partial(mode):  # streamed: the model as it fills in, the last one whole
+        client = instructor.from_openai(OpenAI(base_url=f"{scripted}/v1", api_key="unused"), mode=mode)
+        parts = list(client.chat.completions.create_partial(model=SCRIPTED, response_model=Person, messages=ASK))
+        return expect(parts and parts[-1].model_dump() == PERSON, parts[-3:])
+
     modes = ("TOOLS", "JSON", "JSON_SCHEMA", "MD_JSON")
-    return {f"from_openai {m}": lambda m=m: extract(getattr(instructor.Mode, m)) for m in modes}
+    checks = {f"from_openai {m}": lambda m=m: extract(getattr(instructor.Mode, m)) for m in modes}
+    checks |= {f"from_openai {m}, create_partial": lambda m=m: partial(getattr(instructor.Mode, m))
+               for m in ("TOOLS", "JSON_SCHEMA")}
+    return checks
 
 
 def llama_index_checks(demo: str, scripted: str) -> dict:
@@ -619,15 +641,28 @@ def openai_agents_checks(demo: str, scripted: str) -> dict:
 
     set_tracing_disabled(True)  # no upload of traces to OpenAI
 
-    def run(model_class):
+    def run(model_class, streamed: bool = False):
         client = AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused")
         agent = Agent(name="weather", instructions="Answer with the tool.", tools=[function_tool(get_weather)],
                       model=model_class(model=SCRIPTED, openai_client=client))
-        out = Runner.run_sync(agent, WEATHER_ASK[0]["content"]).final_output
-        return expect(TOOL_RESULT in str(out), out)
+        if not streamed:
+            out = Runner.run_sync(agent, WEATHER_ASK[0]["content"]).final_output
+            return expect(TOOL_RESULT in str(out), out)
 
-    return {"OpenAIChatCompletionsModel function tool": lambda: run(OpenAIChatCompletionsModel),
-            "OpenAIResponsesModel function tool": lambda: run(OpenAIResponsesModel)}
+        async def stream():
+            result = Runner.run_streamed(agent, WEATHER_ASK[0]["content"])
+            kinds = [event.type async for event in result.stream_events()]
+            return result.final_output, sorted(set(kinds))
+
+        out, kinds = run_async(stream())
+        return expect(TOOL_RESULT in str(out), (out, kinds))
+
+    checks = {}
+    for label, model_class in (("OpenAIChatCompletionsModel", OpenAIChatCompletionsModel),
+                               ("OpenAIResponsesModel", OpenAIResponsesModel)):
+        checks[f"{label} function tool"] = lambda m=model_class: run(m)
+        checks[f"{label} function tool, run_streamed"] = lambda m=model_class: run(m, True)
+    return checks
 
 
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
