@@ -462,9 +462,10 @@ def run_async(coroutine):
 
 
 def pydantic_ai_checks(demo: str, scripted: str) -> dict:
-    from pydantic_ai import Agent, NativeOutput, PromptedOutput
+    from pydantic_ai import Agent, Embedder, NativeOutput, PromptedOutput
+    from pydantic_ai.embeddings.openai import OpenAIEmbeddingModel
     from pydantic_ai.models.ollama import OllamaModel
-    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
     from pydantic_ai.providers.ollama import OllamaProvider
     from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -472,7 +473,9 @@ def pydantic_ai_checks(demo: str, scripted: str) -> dict:
     settings = {"max_tokens": N, "temperature": 0}
     models = {"OpenAIChatModel": lambda base, name: OpenAIChatModel(
                   name, provider=OpenAIProvider(base_url=f"{base}/v1", api_key="unused")),
-              "OllamaModel": lambda base, name: OllamaModel(name, provider=OllamaProvider(base_url=f"{base}/v1"))}
+              "OllamaModel": lambda base, name: OllamaModel(name, provider=OllamaProvider(base_url=f"{base}/v1")),
+              "OpenAIResponsesModel": lambda base, name: OpenAIResponsesModel(
+                  name, provider=OpenAIProvider(base_url=f"{base}/v1", api_key="unused"))}
 
     def plain(make):
         out = Agent(make(demo, DEMO), model_settings=settings).run_sync(ASK[0]["content"]).output
@@ -513,6 +516,13 @@ def pydantic_ai_checks(demo: str, scripted: str) -> dict:
         checks[f"{label} run_stream tool round trip"] = lambda m=make: streamed_tools(m)
         checks[f"{label} run_stream output_type (tool)"] = lambda m=make: structured(m, lambda t: t, True)
         checks[f"{label} run_stream NativeOutput"] = lambda m=make: structured(m, NativeOutput, True)
+
+    def embed():
+        provider = OpenAIProvider(base_url=f"{demo}/v1", api_key="unused")
+        embedder = Embedder(OpenAIEmbeddingModel(DEMO, provider=provider))
+        return unit_vectors([list(v) for v in embedder.embed_documents_sync(TEXTS).embeddings], len(TEXTS))
+
+    checks["Embedder (OpenAIEmbeddingModel) embed_documents"] = embed
     return checks
 
 
@@ -569,9 +579,17 @@ def llama_index_checks(demo: str, scripted: str) -> dict:
         out = run_async(run())
         return expect(TOOL_RESULT in str(out), str(out))
 
-    def structured(make):
-        out = make(scripted, SCRIPTED).structured_predict(Person, PromptTemplate("Describe {who}."), who="Ada")
+    def structured(make, streamed: bool = False):
+        llm, prompt = make(scripted, SCRIPTED), PromptTemplate("Describe {who}.")
+        if streamed:
+            out = list(llm.stream_structured_predict(Person, prompt, who="Ada"))[-1]
+            out = Person.model_validate(out.model_dump())  # the last partial, whole
+        else:
+            out = llm.structured_predict(Person, prompt, who="Ada")
         return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    async def astream(llm) -> str:
+        return "".join([c.delta or "" async for c in await llm.astream_chat(ask)])
 
     ask = [ChatMessage(role="user", content=ASK[0]["content"])]
     demo_llms = {"OpenAILike": lambda: llms["OpenAILike"](demo, DEMO, max_tokens=N, temperature=0),
@@ -590,6 +608,8 @@ def llama_index_checks(demo: str, scripted: str) -> dict:
         checks[f"{label} predict_and_call"] = lambda m=make: call(m)
         checks[f"{label} FunctionAgent round trip (streamed)"] = lambda m=make: agent(m)
         checks[f"{label} structured_predict"] = lambda m=make: structured(m)
+        checks[f"{label} stream_structured_predict"] = lambda m=make: structured(m, True)
+        checks[f"{label} astream_chat"] = lambda d=plain: text(run_async(astream(d())))
     checks["OpenAIEmbedding"] = lambda: unit_vectors(OpenAIEmbedding(
         model_name=DEMO, api_base=f"{demo}/v1", api_key="unused").get_text_embedding_batch(TEXTS), len(TEXTS))
     checks["OllamaEmbedding"] = lambda: unit_vectors(OllamaEmbedding(
@@ -619,13 +639,15 @@ def dspy_checks(demo: str, scripted: str) -> dict:
 def smolagents_checks(demo: str, scripted: str) -> dict:
     from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
-    def run():
+    def run(streamed: bool):
         model = OpenAIServerModel(model_id=SCRIPTED, api_base=f"{scripted}/v1", api_key="unused")
-        agent = ToolCallingAgent(tools=[tool(get_weather)], model=model, max_steps=3, verbosity_level=0)
+        agent = ToolCallingAgent(tools=[tool(get_weather)], model=model, max_steps=3, verbosity_level=0,
+                                 stream_outputs=streamed)
         out = agent.run(WEATHER_ASK[0]["content"])
         return expect(TOOL_RESULT in str(out), out)
 
-    return {"OpenAIServerModel ToolCallingAgent round trip": run}
+    return {"OpenAIServerModel ToolCallingAgent round trip": lambda: run(False),
+            "OpenAIServerModel ToolCallingAgent round trip, stream_outputs": lambda: run(True)}
 
 
 def openai_agents_checks(demo: str, scripted: str) -> dict:
@@ -657,11 +679,19 @@ def openai_agents_checks(demo: str, scripted: str) -> dict:
         out, kinds = run_async(stream())
         return expect(TOOL_RESULT in str(out), (out, kinds))
 
+    def structured(model_class):
+        client = AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused")
+        agent = Agent(name="person", output_type=person_class(),
+                      model=model_class(model=SCRIPTED, openai_client=client))
+        out = Runner.run_sync(agent, ASK[0]["content"]).final_output
+        return expect(out.model_dump() == PERSON, out)
+
     checks = {}
     for label, model_class in (("OpenAIChatCompletionsModel", OpenAIChatCompletionsModel),
                                ("OpenAIResponsesModel", OpenAIResponsesModel)):
         checks[f"{label} function tool"] = lambda m=model_class: run(m)
         checks[f"{label} function tool, run_streamed"] = lambda m=model_class: run(m, True)
+        checks[f"{label} output_type"] = lambda m=model_class: structured(m)
     return checks
 
 
