@@ -3,6 +3,10 @@
 Install the clients (not the project's venv; aider pins its own litellm and openai, so it gets a venv apart):
     python3 -m venv /tmp/clients-venv && /tmp/clients-venv/bin/pip install litellm langchain-openai \
         langchain-ollama ollama llm
+    /tmp/clients-venv/bin/pip install 'pydantic-ai-slim[openai]' instructor dspy 'smolagents[openai]' \
+        openai-agents llama-index-core llama-index-llms-openai-like llama-index-llms-ollama \
+        llama-index-embeddings-openai llama-index-embeddings-ollama
+(one group at a time: all at once, pip backtracks through litellm releases for a long while)
     python3 -m venv /tmp/aider-venv && /tmp/aider-venv/bin/pip install aider-chat
 Run (from the repository root; the clients run in /tmp/clients-venv, each server is a subprocess of the project's
 .venv running this file with --serve):
@@ -10,8 +14,10 @@ Run (from the repository root; the clients run in /tmp/clients-venv, each server
 
 Two servers: the built-in demo model (plain chat, streamed and not) and a scripted engine on a Qwen2.5 tool
 template (tool calls and structured output: the demo model never calls a tool), which calls `get_weather` when the
-prompt offers it, quotes a tool result when the last turn is one, calls `Person` when offered (a structured
-output by function calling) and otherwise writes a Person as JSON under a grammar (a JSON schema). Each server
+prompt offers it, quotes a tool result when the last turn is one (or calls `final_answer` with it, smolagents'
+way to end), calls `Person` (or `PartialPerson`) when offered (a structured output by function calling) and
+otherwise writes a Person as JSON under a grammar (a JSON schema), or where the prompt asks for it the way DSPy's
+adapters and instructor's MD_JSON do (without a grammar, as a model would follow its prompt). Each server
 is wrapped in a recorder that keeps every request's method, path, status, JSON body keys and (non-2xx) the
 answer's start; it is read from `GET /_bench/requests`. Prints one JSON object: per library and call, passed,
 the detail or the exception, and the requests seen.
@@ -54,7 +60,7 @@ def tool_call(name: str, arguments: dict) -> str:
 
 
 def scripted_answer(prompt: str, grammar: str | None) -> str:
-    last = prompt.rsplit("<|im_start|>", 2)[-2]  # the turn before the generation prompt
+    last = prompt.rsplit("<|im_start|>", 2)[-2:][0]  # the turn before the generation prompt (or a raw prompt)
     # smolagents sends a tool's result as a user turn, "Observation:\n..." (its design, vLLM gets the same)
     result = (re.search(r"<tool_response>\n(.*?)\n</tool_response>", last, re.S)
               or re.search(r"Observation:\n(.*?)\s*<\|im_end\|>", last, re.S))
