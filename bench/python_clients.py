@@ -669,34 +669,30 @@ def openai_agents_checks(demo: str, scripted: str) -> dict:
 
     set_tracing_disabled(True)  # no upload of traces to OpenAI
 
-    def run(model_class, streamed: bool = False):
-        client = AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused")
-        agent = Agent(name="weather", instructions="Answer with the tool.", tools=[function_tool(get_weather)],
-                      model=model_class(model=SCRIPTED, openai_client=client))
-        if not streamed:
-            out = Runner.run_sync(agent, WEATHER_ASK[0]["content"]).final_output
-            return expect(TOOL_RESULT in str(out), out)
-
-        async def stream():
-            result = Runner.run_streamed(agent, WEATHER_ASK[0]["content"])
+    async def run(model_class, ask: str, streamed: bool, **agent_kw):
+        # the client is made and closed on the run's own event loop (else its close fails once that loop is gone)
+        async with AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused") as client:
+            agent = Agent(name="agent", model=model_class(model=SCRIPTED, openai_client=client), **agent_kw)
+            if not streamed:
+                return (await Runner.run(agent, ask)).final_output, None
+            result = Runner.run_streamed(agent, ask)
             kinds = [event.type async for event in result.stream_events()]
             return result.final_output, sorted(set(kinds))
 
-        out, kinds = run_async(stream())
+    def tools(model_class, streamed: bool = False):
+        out, kinds = run_async(run(model_class, WEATHER_ASK[0]["content"], streamed,
+                                   instructions="Answer with the tool.", tools=[function_tool(get_weather)]))
         return expect(TOOL_RESULT in str(out), (out, kinds))
 
     def structured(model_class):
-        client = AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused")
-        agent = Agent(name="person", output_type=person_class(),
-                      model=model_class(model=SCRIPTED, openai_client=client))
-        out = Runner.run_sync(agent, ASK[0]["content"]).final_output
+        out, _ = run_async(run(model_class, ASK[0]["content"], False, output_type=person_class()))
         return expect(out.model_dump() == PERSON, out)
 
     checks = {}
     for label, model_class in (("OpenAIChatCompletionsModel", OpenAIChatCompletionsModel),
                                ("OpenAIResponsesModel", OpenAIResponsesModel)):
-        checks[f"{label} function tool"] = lambda m=model_class: run(m)
-        checks[f"{label} function tool, run_streamed"] = lambda m=model_class: run(m, True)
+        checks[f"{label} function tool"] = lambda m=model_class: tools(m)
+        checks[f"{label} function tool, run_streamed"] = lambda m=model_class: tools(m, True)
         checks[f"{label} output_type"] = lambda m=model_class: structured(m)
     return checks
 
