@@ -3,6 +3,10 @@
 Install the clients (not the project's venv; aider pins its own litellm and openai, so it gets a venv apart):
     python3 -m venv /tmp/clients-venv && /tmp/clients-venv/bin/pip install litellm langchain-openai \
         langchain-ollama ollama llm
+    /tmp/clients-venv/bin/pip install 'pydantic-ai-slim[openai]' instructor dspy 'smolagents[openai]' \
+        openai-agents llama-index-core llama-index-llms-openai-like llama-index-llms-ollama \
+        llama-index-embeddings-openai llama-index-embeddings-ollama
+(one group at a time: all at once, pip backtracks through litellm releases for a long while)
     python3 -m venv /tmp/aider-venv && /tmp/aider-venv/bin/pip install aider-chat
 Run (from the repository root; the clients run in /tmp/clients-venv, each server is a subprocess of the project's
 .venv running this file with --serve):
@@ -10,8 +14,10 @@ Run (from the repository root; the clients run in /tmp/clients-venv, each server
 
 Two servers: the built-in demo model (plain chat, streamed and not) and a scripted engine on a Qwen2.5 tool
 template (tool calls and structured output: the demo model never calls a tool), which calls `get_weather` when the
-prompt offers it, quotes a tool result when the last turn is one, calls `Person` when offered (a structured
-output by function calling) and otherwise writes a Person as JSON under a grammar (a JSON schema). Each server
+prompt offers it, quotes a tool result when the last turn is one (or calls `final_answer` with it, smolagents'
+way to end), calls `Person` (or `PartialPerson`) when offered (a structured output by function calling) and
+otherwise writes a Person as JSON under a grammar (a JSON schema), or where the prompt asks for it the way DSPy's
+adapters and instructor's MD_JSON do (without a grammar, as a model would follow its prompt). Each server
 is wrapped in a recorder that keeps every request's method, path, status, JSON body keys and (non-2xx) the
 answer's start; it is read from `GET /_bench/requests`. Prints one JSON object: per library and call, passed,
 the detail or the exception, and the requests seen.
@@ -49,15 +55,30 @@ N = 16  # tokens the demo model writes per answer
 
 # ---------------------------------------------------------------- the servers (run with the project's venv)
 
+def tool_call(name: str, arguments: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
 def scripted_answer(prompt: str, grammar: str | None) -> str:
-    last = prompt.rsplit("<|im_start|>", 2)[-2]  # the turn before the generation prompt
-    result = re.search(r"<tool_response>\n(.*?)\n</tool_response>", last, re.S)
+    last = prompt.rsplit("<|im_start|>", 2)[-2:][0]  # the turn before the generation prompt (or a raw prompt)
+    # smolagents sends a tool's result as a user turn, "Observation:\n..." (its design, vLLM gets the same)
+    result = (re.search(r"<tool_response>\n(.*?)\n</tool_response>", last, re.S)
+              or re.search(r"Observation:\n(.*?)\s*<\|im_end\|>", last, re.S))
     if result:
+        if '"name": "final_answer"' in prompt:  # smolagents ends a run only by this tool
+            return tool_call("final_answer", {"answer": f"The tool said: {result.group(1)}"})
         return f"The tool said: {result.group(1)}"
-    calls = {"get_weather": {"city": "Paris"}, "Person": PERSON}
+    # (instructor's streamed Partial offers the Person function as "PartialPerson")
+    calls = {"get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
     for name, arguments in calls.items():
-        if f'"name": "{name}"' in prompt:
-            return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+        if offered := re.search(f'"name": "({name})"', prompt):
+            return tool_call(offered.group(1), arguments)
+    if "[[ ## completed ## ]]" in last:  # DSPy's ChatAdapter: each output field under its marker
+        return "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in PERSON.items()) + "[[ ## completed ## ]]"
+    if "Respond with a JSON object" in last:  # DSPy's JSONAdapter, which sends no response_format here
+        return json.dumps(PERSON)
+    if "```json" in last:  # asked for a JSON code block (instructor's MD_JSON): a model writes one
+        return f"```json\n{json.dumps(PERSON)}\n```"
     return json.dumps(PERSON) if grammar else "Hello from the scripted model."
 
 
@@ -431,9 +452,256 @@ def aider_checks(demo: str, scripted: str) -> dict:
     return checks if Path(binary).exists() else {}
 
 
+def get_weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+        city: the city
+    """
+    return TOOL_RESULT
+
+
+def run_async(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def pydantic_ai_checks(demo: str, scripted: str) -> dict:
+    from pydantic_ai import Agent, Embedder, NativeOutput, PromptedOutput
+    from pydantic_ai.embeddings.openai import OpenAIEmbeddingModel
+    from pydantic_ai.models.ollama import OllamaModel
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.ollama import OllamaProvider
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    Person = person_class()
+    settings = {"max_tokens": N, "temperature": 0}
+    models = {"OpenAIChatModel": lambda base, name: OpenAIChatModel(
+                  name, provider=OpenAIProvider(base_url=f"{base}/v1", api_key="unused")),
+              "OllamaModel": lambda base, name: OllamaModel(name, provider=OllamaProvider(base_url=f"{base}/v1")),
+              "OpenAIResponsesModel": lambda base, name: OpenAIResponsesModel(
+                  name, provider=OpenAIProvider(base_url=f"{base}/v1", api_key="unused"))}
+
+    def plain(make):
+        out = Agent(make(demo, DEMO), model_settings=settings).run_sync(ASK[0]["content"]).output
+        return expect(bool(out), out)
+
+    def streamed(make):
+        with Agent(make(demo, DEMO), model_settings=settings).run_stream_sync(ASK[0]["content"]) as result:
+            pieces = list(result.stream_text(delta=True))
+        return expect(bool("".join(pieces)), pieces)
+
+    def tools(make):
+        agent = Agent(make(scripted, SCRIPTED), tools=[get_weather])
+        out = agent.run_sync(WEATHER_ASK[0]["content"]).output
+        return expect(TOOL_RESULT in out, out)
+
+    def structured(make, wrap, streamed: bool = False):
+        agent = Agent(make(scripted, SCRIPTED), output_type=wrap(Person))
+        if streamed:
+            with agent.run_stream_sync(ASK[0]["content"]) as result:
+                out = list(result.stream_output())[-1]
+        else:
+            out = agent.run_sync(ASK[0]["content"]).output
+        return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    def streamed_tools(make):
+        with Agent(make(scripted, SCRIPTED), tools=[get_weather]).run_stream_sync(WEATHER_ASK[0]["content"]) as r:
+            out = "".join(r.stream_text(delta=True))
+        return expect(TOOL_RESULT in out, out)
+
+    checks = {}
+    for label, make in models.items():
+        checks[f"{label} run"] = lambda m=make: plain(m)
+        checks[f"{label} run_stream"] = lambda m=make: streamed(m)
+        checks[f"{label} tool round trip"] = lambda m=make: tools(m)
+        checks[f"{label} output_type (tool)"] = lambda m=make: structured(m, lambda t: t)
+        checks[f"{label} NativeOutput"] = lambda m=make: structured(m, NativeOutput)
+        checks[f"{label} PromptedOutput"] = lambda m=make: structured(m, PromptedOutput)
+        checks[f"{label} run_stream tool round trip"] = lambda m=make: streamed_tools(m)
+        checks[f"{label} run_stream output_type (tool)"] = lambda m=make: structured(m, lambda t: t, True)
+        checks[f"{label} run_stream NativeOutput"] = lambda m=make: structured(m, NativeOutput, True)
+
+    def embed():
+        provider = OpenAIProvider(base_url=f"{demo}/v1", api_key="unused")
+        embedder = Embedder(OpenAIEmbeddingModel(DEMO, provider=provider))
+        return unit_vectors([list(v) for v in embedder.embed_documents_sync(TEXTS).embeddings], len(TEXTS))
+
+    checks["Embedder (OpenAIEmbeddingModel) embed_documents"] = embed
+    return checks
+
+
+def instructor_checks(demo: str, scripted: str) -> dict:
+    import instructor
+    from openai import OpenAI
+
+    Person = person_class()
+
+    def extract(mode):
+        client = instructor.from_openai(OpenAI(base_url=f"{scripted}/v1", api_key="unused"), mode=mode)
+        out = client.chat.completions.create(model=SCRIPTED, response_model=Person, messages=ASK, max_retries=0)
+        return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    def partial(mode):  # streamed: the model as it fills in, the last one whole
+        client = instructor.from_openai(OpenAI(base_url=f"{scripted}/v1", api_key="unused"), mode=mode)
+        parts = list(client.chat.completions.create_partial(model=SCRIPTED, response_model=Person, messages=ASK))
+        return expect(parts and parts[-1].model_dump() == PERSON, parts[-3:])
+
+    modes = ("TOOLS", "JSON", "JSON_SCHEMA", "MD_JSON")
+    checks = {f"from_openai {m}": lambda m=m: extract(getattr(instructor.Mode, m)) for m in modes}
+    checks |= {f"from_openai {m}, create_partial": lambda m=m: partial(getattr(instructor.Mode, m))
+               for m in ("TOOLS", "JSON_SCHEMA")}
+    return checks
+
+
+def llama_index_checks(demo: str, scripted: str) -> dict:
+    from llama_index.core.agent.workflow import FunctionAgent
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from llama_index.embeddings.ollama import OllamaEmbedding
+    from llama_index.embeddings.openai import OpenAIEmbedding
+    from llama_index.llms.ollama import Ollama
+    from llama_index.llms.openai_like import OpenAILike
+
+    Person = person_class()
+    llms = {
+        "OpenAILike": lambda base, name, **kw: OpenAILike(
+            model=name, api_base=f"{base}/v1", api_key="unused", is_chat_model=True,
+            is_function_calling_model=True, context_window=8192, **kw),
+        "Ollama": lambda base, name, **kw: Ollama(model=name, base_url=base, request_timeout=120,
+                                                  context_window=8192, **kw)}
+    weather = FunctionTool.from_defaults(fn=get_weather)
+
+    def text(out) -> str:
+        return expect(bool(str(out).strip()), str(out))
+
+    def agent(make):
+        async def run():  # a workflow needs a running event loop from its start
+            return await FunctionAgent(tools=[weather], llm=make(scripted, SCRIPTED)).run(
+                user_msg=WEATHER_ASK[0]["content"])
+
+        out = run_async(run())
+        return expect(TOOL_RESULT in str(out), str(out))
+
+    def structured(make, streamed: bool = False):
+        llm, prompt = make(scripted, SCRIPTED), PromptTemplate("Describe {who}.")
+        if streamed:
+            out = list(llm.stream_structured_predict(Person, prompt, who="Ada"))[-1]
+            out = Person.model_validate(out.model_dump())  # the last partial, whole
+        else:
+            out = llm.structured_predict(Person, prompt, who="Ada")
+        return expect(isinstance(out, Person) and out.model_dump() == PERSON, out)
+
+    async def astream(llm) -> str:
+        return "".join([c.delta or "" async for c in await llm.astream_chat(ask)])
+
+    ask = [ChatMessage(role="user", content=ASK[0]["content"])]
+    demo_llms = {"OpenAILike": lambda: llms["OpenAILike"](demo, DEMO, max_tokens=N, temperature=0),
+                 "Ollama": lambda: llms["Ollama"](demo, DEMO, temperature=0, additional_kwargs={"num_predict": N})}
+
+    def call(make):
+        out = str(make(scripted, SCRIPTED).predict_and_call([weather], WEATHER_ASK[0]["content"]))
+        return expect(TOOL_RESULT in out, out)
+
+    checks = {}
+    for label, make in llms.items():
+        plain = demo_llms[label]
+        checks[f"{label} complete"] = lambda d=plain: text(d().complete("Once upon a time"))
+        checks[f"{label} chat"] = lambda d=plain: text(d().chat(ask).message.content)
+        checks[f"{label} stream_chat"] = lambda d=plain: text("".join(c.delta or "" for c in d().stream_chat(ask)))
+        checks[f"{label} predict_and_call"] = lambda m=make: call(m)
+        checks[f"{label} FunctionAgent round trip (streamed)"] = lambda m=make: agent(m)
+        checks[f"{label} structured_predict"] = lambda m=make: structured(m)
+        checks[f"{label} stream_structured_predict"] = lambda m=make: structured(m, True)
+        checks[f"{label} astream_chat"] = lambda d=plain: text(run_async(astream(d())))
+    checks["OpenAIEmbedding"] = lambda: unit_vectors(OpenAIEmbedding(
+        model_name=DEMO, api_base=f"{demo}/v1", api_key="unused").get_text_embedding_batch(TEXTS), len(TEXTS))
+    checks["OllamaEmbedding"] = lambda: unit_vectors(OllamaEmbedding(
+        model_name=DEMO, base_url=demo).get_text_embedding_batch(TEXTS), len(TEXTS))
+    return checks
+
+
+def dspy_checks(demo: str, scripted: str) -> dict:
+    import dspy
+
+    class Describe(dspy.Signature):
+        """Describe the person asked about."""
+        question: str = dspy.InputField()
+        name: str = dspy.OutputField()
+        age: int = dspy.OutputField()
+
+    def predict(adapter):
+        lm = dspy.LM(f"openai/{SCRIPTED}", api_base=f"{scripted}/v1", api_key="unused", cache=False)
+        with dspy.context(lm=lm, adapter=adapter):
+            out = dspy.Predict(Describe)(question="Who is Ada?")
+        return expect({"name": out.name, "age": out.age} == PERSON, out)
+
+    return {"Predict, ChatAdapter": lambda: predict(dspy.ChatAdapter(use_json_adapter_fallback=False)),
+            "Predict, JSONAdapter": lambda: predict(dspy.JSONAdapter())}
+
+
+def smolagents_checks(demo: str, scripted: str) -> dict:
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    def run(streamed: bool):
+        model = OpenAIServerModel(model_id=SCRIPTED, api_base=f"{scripted}/v1", api_key="unused")
+        agent = ToolCallingAgent(tools=[tool(get_weather)], model=model, max_steps=3, verbosity_level=0,
+                                 stream_outputs=streamed)
+        out = agent.run(WEATHER_ASK[0]["content"])
+        return expect(TOOL_RESULT in str(out), out)
+
+    return {"OpenAIServerModel ToolCallingAgent round trip": lambda: run(False),
+            "OpenAIServerModel ToolCallingAgent round trip, stream_outputs": lambda: run(True)}
+
+
+def openai_agents_checks(demo: str, scripted: str) -> dict:
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no upload of traces to OpenAI
+
+    async def run(model_class, ask: str, streamed: bool, **agent_kw):
+        # the client is made and closed on the run's own event loop (else its close fails once that loop is gone)
+        async with AsyncOpenAI(base_url=f"{scripted}/v1", api_key="unused") as client:
+            agent = Agent(name="agent", model=model_class(model=SCRIPTED, openai_client=client), **agent_kw)
+            if not streamed:
+                return (await Runner.run(agent, ask)).final_output, None
+            result = Runner.run_streamed(agent, ask)
+            kinds = [event.type async for event in result.stream_events()]
+            return result.final_output, sorted(set(kinds))
+
+    def tools(model_class, streamed: bool = False):
+        out, kinds = run_async(run(model_class, WEATHER_ASK[0]["content"], streamed,
+                                   instructions="Answer with the tool.", tools=[function_tool(get_weather)]))
+        return expect(TOOL_RESULT in str(out), (out, kinds))
+
+    def structured(model_class):
+        out, _ = run_async(run(model_class, ASK[0]["content"], False, output_type=person_class()))
+        return expect(out.model_dump() == PERSON, out)
+
+    checks = {}
+    for label, model_class in (("OpenAIChatCompletionsModel", OpenAIChatCompletionsModel),
+                               ("OpenAIResponsesModel", OpenAIResponsesModel)):
+        checks[f"{label} function tool"] = lambda m=model_class: tools(m)
+        checks[f"{label} function tool, run_streamed"] = lambda m=model_class: tools(m, True)
+        checks[f"{label} output_type"] = lambda m=model_class: structured(m)
+    return checks
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
-             "aider": aider_checks}
+             "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
+             "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
+             "openai-agents": openai_agents_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
