@@ -17,7 +17,9 @@
    shared head copied from it, give transformers' greedy tokens;
    and with a context too small for a chat's entry beside a background request, the entry moves to
    pinned host memory (`--prefix-cache-host-gb`) and its next turn, copied back, gives them too;
-7. TPOT: `bench.engine_bench tpot --device cuda`.
+7. embeddings on `cuda`: one input and a right-padded batch of inputs of different lengths (`more_inputs`),
+   mean-pooled, against transformers' base model on the same device, with a small cache, per family;
+8. TPOT: `bench.engine_bench tpot --device cuda`.
 Prints one JSON object (also written to --out).
 """
 
@@ -149,6 +151,26 @@ def check_equivalence(tmp: Path) -> dict:
     return results
 
 
+def check_embeddings(tmp: Path) -> dict:
+    results = {}
+    texts = [PROMPT, "Hello.", PROMPT[:30]]
+    for family in FAMILIES:
+        folder = build_checkpoint(family, tmp / f"embed-{family}")
+        reference = load_reference(folder).to("cuda")
+        engine = Engine.load(EngineConfig(model=str(folder), device="cuda", dtype="float32", expert_cache_experts=4))
+        inputs = [engine.encode(text) for text in texts]
+        (alone,) = engine.generate(GenerationRequest("e", inputs[0], pooling="mean"))
+        (batch,) = engine.generate(GenerationRequest("b", inputs[0], pooling="mean", more_inputs=tuple(inputs[1:])))
+        engine.close()
+        differences = []
+        with torch.no_grad():
+            for ids, vector in zip([inputs[0], *inputs], [alone.embeddings[0], *batch.embeddings], strict=True):
+                states = reference.base_model(input_ids=torch.tensor([ids], device="cuda")).last_hidden_state[0]
+                differences.append((torch.tensor(vector, device="cuda") - states.float().mean(0)).abs().max().item())
+        results[family] = {"max_abs_difference": max(differences), "within_1e-4": max(differences) <= 1e-4}
+    return results
+
+
 def check_host_executor(tmp: Path) -> dict:
     """`--cpu-experts`: misses computed on the host, whole (one per lane) and shared by host and device
     (equal costs given, so a lone miss is shared half and half), against transformers' greedy tokens."""
@@ -216,6 +238,7 @@ def main() -> None:
             "host_executor": lambda: check_host_executor(tmp),
             "prefix_reuse": lambda: check_prefix_reuse(tmp),
             "prefix_host_tier": lambda: check_prefix_host_tier(tmp),
+            "embeddings": lambda: check_embeddings(tmp),
             "tpot": lambda: run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3)),
         }
         for name, run in sections.items():  # each result kept as it comes: a timeout loses only the rest

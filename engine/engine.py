@@ -499,10 +499,11 @@ class Engine:
     def _pooled_batch(self, inputs: list[list[int]], pooling: Pooling) -> torch.Tensor:
         """[N, H]: several inputs in one pass, padded on the right. The attention is causal, so no real position
         sees a pad and each input's states are its own; pad positions' states are dropped."""
-        lengths = torch.tensor([len(ids) for ids in inputs], device=self.device)  # [N]
-        input_ids = torch.zeros(len(inputs), int(lengths.max()), dtype=torch.long, device=self.device)  # [N, W]
+        lengths = torch.tensor([len(ids) for ids in inputs])  # [N]
+        input_ids = torch.zeros(len(inputs), int(lengths.max()), dtype=torch.long)  # [N, W], built on the host
         for row, ids in enumerate(inputs):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)  # one copy each
         mask = torch.arange(input_ids.shape[1], device=self.device)[None] < lengths[:, None]  # [N, W]
         out = self.model.base_model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False)
         hidden = out.last_hidden_state.float()  # [N, W, H]
