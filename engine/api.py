@@ -13,8 +13,8 @@ FinishReason = Literal["stop", "length", "abort"]
 Pooling = Literal["mean", "last"]  # how an embedding request's last hidden states [T, H] become one vector
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
 # padded positions in one embedding pass: several inputs at once read each expert once, not once per input
-# (the demo model on the CPU: 8 inputs of ~250 tokens in 0.2-0.6 of the time one after another), yet a
-# streamed chat waits for no more than a prompt of this length
+# (the demo model on the CPU: 16 inputs of 150-300 tokens in 0.5-0.8 of the time one after another, 17 of ~25
+# in 0.23; bench.embedding_batches), yet a streamed chat waits for no more than a prompt of this length
 EMBEDDING_BATCH_TOKENS = 2048
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
 # requests waiting or running (--max-queue), Ollama's OLLAMA_MAX_QUEUE: Open WebUI embeds a document one chunk per

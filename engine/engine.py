@@ -498,7 +498,8 @@ class Engine:
 
     def _pooled_batch(self, inputs: list[list[int]], pooling: Pooling) -> torch.Tensor:
         """[N, H]: several inputs in one pass, padded on the right. The attention is causal, so no real position
-        sees a pad and each input's states are its own; pad positions' states are dropped."""
+        sees a pad and each input's states are its own; pad positions' states are dropped (they are routed like
+        any token, so a recorded trace's prefill counts them too)."""
         lengths = torch.tensor([len(ids) for ids in inputs])  # [N]
         input_ids = torch.zeros(len(inputs), int(lengths.max()), dtype=torch.long)  # [N, W], built on the host
         for row, ids in enumerate(inputs):
