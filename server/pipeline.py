@@ -95,7 +95,9 @@ async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine, fit: Pr
 
     def render(messages: list[p.ChatMessage]) -> list[int]:
         return engine.apply_chat_template(tools.messages([m.to_engine() for m in messages]), tools.tools,
-                                          body.template_kwargs())
+                                          body.template_kwargs(), continue_final=continue_final)
+
+    continue_final = body.continues_final_message()
 
     # the model's own template, never the request's; off the event loop, like all tokenizing
     prompt = await run_in_threadpool(fit, body.messages, render)

@@ -1,0 +1,65 @@
+"""Open WebUI's chat actions, replayed: the bodies Open WebUI 0.12.4 sent moe-serve when a user clicked them
+(recorded by `bench/open_webui_browser.py --actions`, the model renamed), on the real server
+test_server_infill.py uses.
+
+"Continue Response" sends the conversation ending with the partial assistant answer (the 36 tools of Open
+WebUI's built-in tools too, which this template cannot take): the answer must continue that message, as
+Ollama and llama.cpp's server do, not open a new assistant turn after it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from server.testing import sse_json
+from tests import test_server_infill as infill
+from tests.test_server_fim import MODEL
+
+CLIENTS = Path(__file__).parent / "fixtures" / "clients"
+server, http, tokenizer = infill.server, infill.http, infill.tokenizer  # the same fixtures, the same server
+TOKENS = 4
+
+
+def recorded(name: str, **changes) -> dict:
+    return {**json.loads((CLIENTS / f"open_webui_{name}.json").read_text()), "model": MODEL, **changes}
+
+
+def prompt_tokens(http, body: dict) -> int:
+    answer = http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": TOKENS})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["usage"]["prompt_tokens"]
+
+
+def rendered(tokenizer, messages: list[dict], continued: bool) -> int:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=not continued,
+                                         continue_final_message=continued, tokenize=False)
+    return len(infill.text_ids(tokenizer, text))
+
+
+def test_continue_response_continues_the_partial_answer(http, tokenizer):
+    body = recorded("continue_response")
+    *_, partial = body["messages"]
+    assert partial["role"] == "assistant" and partial["content"].startswith("Once upon a time")  # as it sent it
+    with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": TOKENS}) as stream:
+        assert stream.status_code == 200, stream.read()
+        *chunks, done = list(sse_json(stream.iter_lines()))
+    assert done == "[DONE]" and all(chunk["choices"][0]["delta"].get("role") in (None, "assistant")
+                                    for chunk in chunks if chunk["choices"])
+    # the prompt ends inside the partial answer: no end of its turn, no new assistant turn opened
+    assert prompt_tokens(http, body) == rendered(tokenizer, body["messages"], continued=True)
+    assert rendered(tokenizer, body["messages"], continued=True) < rendered(tokenizer, body["messages"], False)
+
+
+def test_continue_final_message_false_opens_a_new_turn(http, tokenizer):
+    body = recorded("continue_response", continue_final_message=False)  # vLLM's default, asked for
+    assert prompt_tokens(http, body) == rendered(tokenizer, body["messages"], continued=False)
+
+
+def test_continue_final_message_needs_a_partial_answer(http):
+    body = recorded("continue_response", continue_final_message=True)
+    body["messages"] = body["messages"][:-1]  # ends with the user's question
+    answer = http.post("/v1/chat/completions", json={**body, "max_tokens": TOKENS})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "continue_final_message"
+    both = recorded("continue_response", continue_final_message=True, add_generation_prompt=True)  # vLLM: 400 too
+    assert http.post("/v1/chat/completions", json={**both, "max_tokens": TOKENS}).status_code == 400
