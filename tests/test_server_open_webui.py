@@ -4,7 +4,8 @@ test_server_infill.py uses.
 
 "Continue Response" sends the conversation ending with the partial assistant answer (the 36 tools of Open
 WebUI's built-in tools too, which this template cannot take): the answer must continue that message, as
-Ollama and llama.cpp's server do, not open a new assistant turn after it."""
+Ollama and llama.cpp's server do, not open a new assistant turn after it. A PNG attached to a message reaches
+the server as an `image_url` part: a 400 whose message (which Open WebUI shows in the chat) says why."""
 
 from __future__ import annotations
 
@@ -63,3 +64,14 @@ def test_continue_final_message_needs_a_partial_answer(http):
     assert answer.json()["error"]["param"] == "continue_final_message"
     both = recorded("continue_response", continue_final_message=True, add_generation_prompt=True)  # vLLM: 400 too
     assert http.post("/v1/chat/completions", json={**both, "max_tokens": TOKENS}).status_code == 400
+
+
+def test_an_attached_image_is_a_400_that_says_the_model_is_text_only(http):
+    body = recorded("image")
+    *_, parts = body["messages"][-1]["content"]  # Open WebUI: the file's note, the question, the image
+    assert parts["type"] == "image_url" and parts["image_url"]["url"].startswith("data:image/png;base64,")
+    answer = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 400  # before any stream starts: Open WebUI shows the message in the chat
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages[6].content"
+    assert "images are not supported" in error["message"] and "text-only" in error["message"]
