@@ -75,3 +75,13 @@ def test_an_attached_image_is_a_400_that_says_the_model_is_text_only(http):
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "messages[6].content"
     assert "images are not supported" in error["message"] and "text-only" in error["message"]
+
+
+def test_ollama_chat_continues_the_partial_answer_too(http, tokenizer):
+    """The same conversation through `/api/chat` (Open WebUI's Ollama connection; Ollama itself continues a last
+    assistant message): the messages of the recorded body, in Ollama's request shape."""
+    messages = recorded("continue_response")["messages"]
+    answer = http.post("/api/chat", json={"model": MODEL, "messages": messages, "stream": False,
+                                          "options": {"num_predict": TOKENS}})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["prompt_eval_count"] == rendered(tokenizer, messages, continued=True)
