@@ -30,6 +30,7 @@ from cache.trace import TraceWriter
 from engine import prompt_logprobs as scoring
 from engine.api import (
     POOLINGS,
+    TEMPLATE_TIMEOUT_CODE,
     ContextLengthError,
     DeviceMemoryError,
     EchoedPrompt,
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
 CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
-TEMPLATE_TIMEOUT_CODE = "chat_template_timeout"
 # what transformers' apply_chat_template takes itself, or the server sets: not a template variable
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",

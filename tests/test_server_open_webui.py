@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
+
+from engine.api import InvalidRequestError
 from server.testing import sse_json
 from tests import test_server_infill as infill
+from tests.test_server_faults import InProcessServer, ScriptedEngine, wait_for_health
 from tests.test_server_fim import MODEL
 
 CLIENTS = Path(__file__).parent / "fixtures" / "clients"
@@ -85,3 +89,32 @@ def test_ollama_chat_continues_the_partial_answer_too(http, tokenizer):
                                           "options": {"num_predict": TOKENS}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["prompt_eval_count"] == rendered(tokenizer, messages, continued=True)
+
+
+class NoContinuationEngine(ScriptedEngine):
+    """A template that cannot end inside the last message (it rewrites the assistant's text, say): rendering a
+    continuation fails as transformers fails it, a new turn renders; `rendered` keeps which one each got."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=False)
+        self.rendered: list[bool] = []
+
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None, continue_final=False) -> list[int]:
+        if continue_final:
+            raise InvalidRequestError("the chat template rejected the messages: the final message does not "
+                                      "appear in the chat", param="messages")
+        self.rendered.append(continue_final)
+        return [1, 2, 3]
+
+
+def test_a_template_that_cannot_continue_opens_a_new_turn_unless_asked():
+    engine = NoContinuationEngine()
+    partial = {"messages": [{"role": "user", "content": "Tell a story"},
+                            {"role": "assistant", "content": "Once upon a time"}]}
+    with InProcessServer(lambda: engine) as srv:
+        wait_for_health(srv.url, 200)
+        answer = httpx.post(f"{srv.url}/v1/chat/completions", json=partial)  # continuation not asked: a new turn
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "ab"
+        assert engine.rendered == [False]
+        asked = httpx.post(f"{srv.url}/v1/chat/completions", json={**partial, "continue_final_message": True})
+        assert asked.status_code == 400 and "final message" in asked.json()["error"]["message"]
