@@ -32,23 +32,34 @@ and writes every body to request_bodies.jsonl in --logs.
 With `--knowledge` (implies `--rag`'s embedding settings), the file goes into a Knowledge collection instead:
 Workspace → Knowledge → create a collection, upload the file into it (wait for "File added successfully." or
 an error toast), then in a new chat type `#`, pick the collection from the list, and ask the question.
+
+With `--actions`, after the first answer, in the same chat, what a user clicks: Regenerate (→ "Try Again"),
+Edit on the question and Send, a long answer stopped midway (Stop), "Continue Response" on it (stopped again
+once it has gone on), a next question, a small PNG attached to a question; then a temporary chat
+(`?temporary-chat=true`), and prompt autocompletion (the admin's switch on, the user's setting turned on)
+while typing. Each action lists the requests it caused (indexes into `moe_serve_requests`), the answer and
+the errors and toasts the page showed; every body goes to request_bodies.jsonl in --logs, and
+moe-serve's `moe_requests_total` by outcome is read before it stops (a stopped answer counts as aborted).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -256,7 +267,7 @@ def start_moe_serve(python: str, port: int, log_path: Path, extra_args: list[str
 
 
 def open_webui_env(api_port: int, data_dir: Path, connection: str, rag: bool = False,
-                   no_tasks: bool = False) -> dict[str, str]:
+                   no_tasks: bool = False, autocomplete: bool = False) -> dict[str, str]:
     """`connection`: "openai" (Open WebUI's OpenAI connection to /v1) or "ollama" (its Ollama one, /api).
     `rag`: its embedding engine is moe-serve too, through the same API (as a user sets it in Admin →
     Settings → Documents), with the served model as the embedding model."""
@@ -279,6 +290,8 @@ def open_webui_env(api_port: int, data_dir: Path, connection: str, rag: bool = F
     if no_tasks:  # Admin → Settings → Interface: no title, tags, follow-ups or retrieval queries from the model
         env.update({name: "false" for name in ("ENABLE_TITLE_GENERATION", "ENABLE_TAGS_GENERATION",
                                                "ENABLE_FOLLOW_UP_GENERATION", "ENABLE_RETRIEVAL_QUERY_GENERATION")})
+    if autocomplete:  # Admin → Settings → Interface → Autocomplete Generation (off by default)
+        env["ENABLE_AUTOCOMPLETE_GENERATION"] = "true"
     if rag and connection == "ollama":
         env.update({"RAG_EMBEDDING_ENGINE": "ollama", "RAG_OLLAMA_BASE_URL": f"http://127.0.0.1:{api_port}",
                     "RAG_EMBEDDING_MODEL": MODEL})
@@ -289,10 +302,10 @@ def open_webui_env(api_port: int, data_dir: Path, connection: str, rag: bool = F
 
 
 def start_open_webui(exe: str, port: int, api_port: int, data_dir: Path, log_path: Path, connection: str,
-                     rag: bool = False, no_tasks: bool = False) -> subprocess.Popen:
+                     rag: bool = False, no_tasks: bool = False, autocomplete: bool = False) -> subprocess.Popen:
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = start([exe, "serve", "--host", "127.0.0.1", "--port", str(port)],
-                 open_webui_env(api_port, data_dir, connection, rag, no_tasks), log_path, data_dir)
+                 open_webui_env(api_port, data_dir, connection, rag, no_tasks, autocomplete), log_path, data_dir)
     wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
     return proc
 
@@ -462,7 +475,182 @@ def wait_quiet(in_flight: list[int], max_s: float) -> None:
         time.sleep(1)
 
 
-def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dict[str, Any]:
+# --- --actions: what a user clicks in a chat after the first answer -------------------------------
+
+LONG_QUESTION = "Write a very long story about a dragon who learns to cook, in at least twenty paragraphs."
+EDITED_QUESTION = "What is the capital of Italy?"
+AFTER_STOP_QUESTION = "What is the capital of Spain?"
+IMAGE_QUESTION = "What colour is this picture?"
+
+
+def write_png(folder: Path) -> Path:
+    """An 8×8 red PNG (no imaging library needed)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + b"\xff\x00\x00" * 8 for _ in range(8))
+    path = folder / "red.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return path
+
+
+def answer_texts(page: Any) -> list[str]:
+    return [el.inner_text().strip() for el in page.locator("#response-content-container").all()]
+
+
+def wait_streamed(page: Any, timeout_s: float) -> str:
+    """After a click that starts an answer in place (regenerate, continue, an edited question): wait for the
+    stream to begin (the Stop button shows) and end (it goes, the Regenerate button is back)."""
+    stop_button = page.locator("button[aria-label='Stop']")
+    with contextlib.suppress(Exception):
+        stop_button.first.wait_for(timeout=20_000)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and stop_button.count() and not error_texts(page):
+        page.wait_for_timeout(500)
+    page.wait_for_timeout(1000)
+    return last_answer(page)
+
+
+def click_last(page: Any, selector: str) -> bool:
+    """Hover the last answer (its action buttons may show on hover only) and click the last `selector`."""
+    answers = page.locator("#response-content-container")
+    if answers.count():
+        answers.last.hover()
+    buttons = page.locator(selector)
+    if not buttons.count():
+        return False
+    buttons.last.click()
+    return True
+
+
+def edit_question(page: Any, question: str, text: str) -> dict[str, Any]:
+    """Hover the user message `question`, click its Edit button, replace the text and press Send. Every message
+    has an Edit button (shown on hover): from the last, the first whose edit box holds `question` is its."""
+    edits = page.locator("button[aria-label='Edit']")
+    n = edits.count()
+    for i in reversed(range(n)):
+        page.get_by_text(question, exact=True).last.hover()
+        edits.nth(i).click(force=True)
+        box = page.locator("[id^='message-edit-']").first  # the user message's edit box
+        with contextlib.suppress(Exception):
+            box.wait_for(timeout=5_000)
+        if not box.count() or box.evaluate("e => e.value ?? e.innerText").strip() != question:  # an answer's
+            cancel = page.get_by_role("button", name="Cancel", exact=True)
+            if cancel.count():
+                cancel.last.click()
+            page.wait_for_timeout(500)
+            continue
+        box.fill(text)
+        page.get_by_role("button", name="Send", exact=True).last.click()
+        return {"edit_buttons": n, "edited": True, "edit_button_index": i}
+    return {"edit_buttons": n, "edited": False}
+
+
+def run_actions(page: Any, args: argparse.Namespace, url: str, records: list[dict[str, Any]],
+                in_flight: list[int]) -> list[dict[str, Any]]:
+    """Regenerate, edit the question, stop a long answer, continue it, ask again, attach an image, and a
+    temporary chat: each with the requests it caused (indexes into `records`) and what the page showed."""
+    done: list[dict[str, Any]] = []
+
+    def step(name: str, act: Any) -> None:
+        first = len(records)
+        t0 = time.monotonic()
+        try:
+            shown = act()
+        except Exception as e:  # noqa: BLE001 - record what broke and go on with the next action
+            shown = {"failure": f"{type(e).__name__}: {e}"}
+        wait_quiet(in_flight, args.settle)
+        done.append({"action": name, "seconds": round(time.monotonic() - t0, 1), **shown,
+                     "requests": list(range(first, len(records))), "errors_seen": error_texts(page),
+                     "toasts": toasts(page)})
+
+    def regenerate() -> dict[str, Any]:
+        before = last_answer(page)
+        clicked = click_last(page, "button[aria-label='Regenerate']")
+        page.get_by_text("Try Again", exact=True).last.click()  # the button opens a menu (or a suggestion)
+        return {"clicked": clicked, "answer_before": before, "answer": wait_streamed(page, args.answer_timeout)}
+
+    def edit() -> dict[str, Any]:
+        shown = edit_question(page, QUESTION, EDITED_QUESTION)
+        return {**shown, "answer": wait_streamed(page, args.answer_timeout), "answers_on_page": answer_texts(page)}
+
+    def stop_after(words: int) -> dict[str, Any]:
+        """Once the streaming answer has `words` words, click Stop (the story would run to max_tokens)."""
+        stop_button = page.locator("button[aria-label='Stop']")
+        stop_button.first.wait_for(timeout=60_000)
+        deadline = time.monotonic() + args.answer_timeout
+        while time.monotonic() < deadline and len(last_answer(page).split()) < words and stop_button.count():
+            page.wait_for_timeout(250)
+        partial = last_answer(page)
+        if stop_button.count():
+            stop_button.first.click()
+        page.wait_for_timeout(3000)
+        return {"partial_at_stop": partial, "answer_after_stop": last_answer(page),
+                "stop_button_gone": not stop_button.count()}
+
+    def stop_midway() -> dict[str, Any]:
+        send_question(page, LONG_QUESTION)
+        return stop_after(12)
+
+    def continue_response() -> dict[str, Any]:
+        before = last_answer(page)
+        clicked = click_last(page, "button[aria-label='Continue Response']")
+        shown = stop_after(len(before.split()) + 12)  # the user stops it again once it has gone on
+        answer = last_answer(page)
+        return {"clicked": clicked, "answer_before": before, "answer": answer, **shown,
+                "continues_it": answer.startswith(before[:40]) and len(answer) > len(before)}
+
+    def ask_again() -> dict[str, Any]:
+        n = page.locator("#response-content-container").count()
+        send_question(page, AFTER_STOP_QUESTION)
+        return {"answer": wait_streamed(page, args.answer_timeout), "answers_before": n}
+
+    def image() -> dict[str, Any]:
+        png = write_png(Path(tempfile.mkdtemp(prefix="owui-img-")))
+        page.locator("input[type='file'][multiple]").first.set_input_files(str(png))
+        page.wait_for_timeout(3000)
+        attached = {"toasts_after_attach": toasts(page), "errors_after_attach": error_texts(page),
+                    "image_in_input": bool(page.locator("#message-input-container img").count())}
+        n = page.locator("#response-content-container").count()
+        send_question(page, IMAGE_QUESTION)
+        page.wait_for_timeout(3000)
+        return {**attached, "answer": wait_answer(page, args.answer_timeout, n)}
+
+    def temporary_chat() -> dict[str, Any]:
+        page.goto(f"{url}/?temporary-chat=true", wait_until="load", timeout=120_000)
+        page.locator("#chat-input").wait_for(timeout=180_000)
+        dismiss_popups(page)
+        ensure_model(page)
+        send_question(page)
+        return {"answer": wait_answer(page, args.answer_timeout),
+                "temporary_shown": bool(page.get_by_text("Temporary Chat").count())}
+
+    def autocomplete() -> dict[str, Any]:
+        """The user's Settings → Interface → Prompt Autocompletion on (the admin's switch is the env var), then
+        type the start of a question in a new chat and wait for Open WebUI's suggestion."""
+        status = page.evaluate("""async () => (await fetch('/api/v1/users/user/settings/update', {method: 'POST',
+            headers: {'Content-Type': 'application/json', Authorization: 'Bearer ' + localStorage.token},
+            body: JSON.stringify({ui: {promptAutocomplete: true}})})).status""")
+        page.goto(url, wait_until="load", timeout=120_000)
+        page.locator("#chat-input").wait_for(timeout=180_000)
+        dismiss_popups(page)
+        ensure_model(page)
+        page.locator("#chat-input").click()
+        page.keyboard.type("What is the capital of", delay=80)
+        page.wait_for_timeout(20_000)
+        return {"settings_update_status": status, "input_after": page.locator("#chat-input").inner_text()}
+
+    for name, act in [("regenerate", regenerate), ("edit question and resend", edit),
+                      ("stop a streaming answer", stop_midway), ("continue response", continue_response),
+                      ("next message after stop", ask_again), ("attach an image", image),
+                      ("temporary chat", temporary_chat), ("autocomplete", autocomplete)]:
+        step(name, act)
+    return done
+
+
+def run_browser(args: argparse.Namespace, url: str, records: list[dict[str, Any]],
+                in_flight: list[int]) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -498,6 +686,7 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
             follow_up = {"question": args.follow_up, "answer": wait_answer(page, args.answer_timeout, answers_before),
                          "seconds_to_answer": round(time.monotonic() - t1, 1)}
             wait_quiet(in_flight, args.settle)
+        actions = run_actions(page, args, url, records, in_flight) if args.actions else None
         page.wait_for_timeout(2000)
         errors = error_texts(page)
         toasts_at_end = toasts(page)
@@ -508,7 +697,7 @@ def run_browser(args: argparse.Namespace, url: str, in_flight: list[int]) -> dic
     found = {"contains_4417": "4417" in answer, "attached": attached} if args.rag else {"contains_paris": "Paris" in answer}
     return {"answer": answer, **found, "seconds_to_answer":
             round(seconds, 1), "follow_up": follow_up, "errors_seen": errors, "model_selected": selected,
-            "page_title": title, "toasts_at_end": toasts_at_end}
+            "page_title": title, "toasts_at_end": toasts_at_end, **({"actions": actions} if actions else {})}
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -541,6 +730,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-tasks", action="store_true",
                    help="turn off Open WebUI's background tasks (title, tags, follow-ups, retrieval queries): on a "
                         "slow CPU each of them goes before the answer")
+    p.add_argument("--actions", action="store_true",
+                   help="after the first answer: regenerate, edit the question, stop a long answer, continue it, "
+                        "ask again, attach an image, a temporary chat (each with its requests)")
     p.add_argument("--settle", type=float, default=300,
                    help="at most this long after the answer for Open WebUI's background requests")
     args = p.parse_args()
@@ -550,6 +742,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # a run started in the background ignores SIGINT: on SIGTERM, still stop the servers (the `finally`)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="owui-data-"))
     args.logs.mkdir(parents=True, exist_ok=True)
     moe_port, webui_port = args.moe_port or free_port(), args.webui_port or free_port()
@@ -560,14 +754,18 @@ def main() -> None:
     try:
         procs.append(start_moe_serve(args.moe_python, moe_port, args.logs / "moe_serve.log", args.moe_arg,
                                      args.server_repo))
-        body_log = args.logs / "request_bodies.jsonl" if args.rag else None
+        body_log = args.logs / "request_bodies.jsonl" if args.rag or args.actions else None
         if body_log is not None:
             body_log.unlink(missing_ok=True)
         proxy = start_proxy(moe_port, records, in_flight, body_log)
         procs.append(start_open_webui(args.open_webui, webui_port, proxy.server_port,
                                       args.data_dir, args.logs / "open_webui.log", args.connection, args.rag,
-                                      args.no_tasks))
-        result = run_browser(args, f"http://127.0.0.1:{webui_port}", in_flight)
+                                      args.no_tasks, args.actions))
+        result = run_browser(args, f"http://127.0.0.1:{webui_port}", records, in_flight)
+        if args.actions:  # did a stopped answer stop generating: moe-serve's request outcomes
+            with urllib.request.urlopen(f"http://127.0.0.1:{moe_port}/metrics", timeout=10) as r:
+                result["moe_requests_total"] = re.findall(r'^moe_requests_total\{status="(\w+)"\} (\S+)',
+                                                          r.read().decode(), re.M)
     except Exception as e:  # report what broke, with what was recorded up to then
         result["failure"] = f"{type(e).__name__}: {e}"
     finally:

@@ -37,7 +37,7 @@ class ScriptedEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         messages = prepare_messages(messages, tool_template=True)  # as the real engine: text parts joined, ...
         text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template,
                                                   tokenize=False, add_generation_prompt=True,

@@ -16,6 +16,7 @@ POOLINGS: tuple[Pooling, ...] = ("mean", "last")
 # (the demo model on the CPU: 16 inputs of 150-300 tokens in 0.5-0.8 of the time one after another, 17 of ~25
 # in 0.23; bench.embedding_batches), yet a streamed chat waits for no more than a prompt of this length
 EMBEDDING_BATCH_TOKENS = 2048
+TEMPLATE_TIMEOUT_CODE = "chat_template_timeout"  # the error code of a chat template that ran too long
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: int64 or uint64
 # requests waiting or running (--max-queue), Ollama's OLLAMA_MAX_QUEUE: Open WebUI embeds a document one chunk per
 # request, all at once (a 100 KB text is ~120 requests); a waiting request holds only its prompt's ids

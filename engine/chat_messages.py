@@ -78,13 +78,25 @@ def _text(content: Any, where: str, may_be_empty: bool) -> str:
     if content is None and may_be_empty:  # an assistant turn that only calls tools
         return ""
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise InvalidRequestError(f"{where}.content: only text parts are supported", param=f"{where}.content")
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidRequestError(_part_refusal(part, f"{where}.content[{i}]"), param=f"{where}.content")
         return "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise InvalidRequestError(f"{where}.content must be a string or text parts", param=f"{where}.content")
     return content
+
+
+IMAGE_PARTS = {"image_url", "input_image", "image"}  # OpenAI's chat, its Responses, Anthropic's
+
+
+def _part_refusal(part: Any, where: str) -> str:
+    """Why a content part is refused: an image says so (a chat UI shows this text to its user, who attached
+    one to a text-only model), any other part names its type."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in IMAGE_PARTS:
+        return f"{where}: images are not supported by this server (it serves a text-only model); send text only"
+    return f"{where}: only text parts are supported" + (f" (got {kind!r})" if isinstance(kind, str) else "")
 
 
 def _tool_call(call: Any, where: str) -> dict:

@@ -30,6 +30,7 @@ from cache.trace import TraceWriter
 from engine import prompt_logprobs as scoring
 from engine.api import (
     POOLINGS,
+    TEMPLATE_TIMEOUT_CODE,
     ContextLengthError,
     DeviceMemoryError,
     EchoedPrompt,
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 EAMC_SAVE_INTERVAL_S = 60.0
 CHAT_TEMPLATE_TIME_LIMIT_S = 10.0  # real templates render in milliseconds; a looping one is stopped
-TEMPLATE_TIMEOUT_CODE = "chat_template_timeout"
 # what transformers' apply_chat_template takes itself, or the server sets: not a template variable
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -254,9 +254,10 @@ class Engine:
         return EchoedPrompt(self.decode(ids), tuple(self._token_text(t) for t in ids), tuple(offsets))
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None, continue_final: bool = False) -> list[int]:
         """Prompt token ids; `tools` (OpenAI function definitions) only for a template that takes them;
-        `template_kwargs`: more variables for the template (`enable_thinking`, ...)."""
+        `template_kwargs`: more variables for the template (`enable_thinking`, ...); `continue_final`: the prompt
+        ends inside the last message (a partial assistant answer, to continue), not with a new turn opened."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
@@ -271,20 +272,21 @@ class Engine:
         normalised = prepare_messages(messages, tool_template=supports_tools)
         with self._encoder_lock:
             try:
-                text = self._render_chat_template(normalised, tools, template_kwargs or {})
+                text = self._render_chat_template(normalised, tools, template_kwargs or {}, continue_final)
             except InvalidRequestError as e:
                 folded = fold_late_system_messages(normalised)
                 if folded is None or e.code == TEMPLATE_TIMEOUT_CODE:
                     raise
-                text = self._render_chat_template(folded, tools, template_kwargs or {})
+                text = self._render_chat_template(folded, tools, template_kwargs or {}, continue_final)
             return self._encoder(text, add_special_tokens=False)["input_ids"]
 
     def _render_chat_template(self, messages: list[dict], tools: list[dict] | None,
-                              template_kwargs: dict[str, Any]) -> str:
+                              template_kwargs: dict[str, Any], continue_final: bool = False) -> str:
         """The model's template, in transformers' Jinja sandbox and within CHAT_TEMPLATE_TIME_LIMIT_S."""
         def render() -> str:
-            return self._encoder.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                     tokenize=False, **template_kwargs)
+            return self._encoder.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                     add_generation_prompt=not continue_final,
+                                                     continue_final_message=continue_final, **template_kwargs)
         try:
             return call_with_time_limit(render, CHAT_TEMPLATE_TIME_LIMIT_S)
         except TimeLimitExceeded:

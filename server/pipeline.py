@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.api import EngineUnavailableError, InvalidRequestError, SamplingParams
+from engine.api import TEMPLATE_TIMEOUT_CODE, EngineUnavailableError, InvalidRequestError, SamplingParams
 from engine.constraint import added_token_ids
 from engine.fim import ExtraFiles
 from server import protocol as p
@@ -93,9 +93,19 @@ async def plan_chat(body: p.ChatCompletionRequest, raw: Request, engine, fit: Pr
     params = body.to_sampling_params(engine.sampling_defaults)
     params = with_response_format(tools.sampling_params(params), body.response_format)
 
+    continue_final = body.continues_final_message()
+
     def render(messages: list[p.ChatMessage]) -> list[int]:
-        return engine.apply_chat_template(tools.messages([m.to_engine() for m in messages]), tools.tools,
-                                          body.template_kwargs())
+        engine_messages = tools.messages([m.to_engine() for m in messages])
+        try:
+            return engine.apply_chat_template(engine_messages, tools.tools, body.template_kwargs(),
+                                              continue_final=continue_final)
+        except InvalidRequestError as e:
+            # a continuation nobody asked for, which this template cannot render (it changes the last message's
+            # text, or refuses to end on the assistant): a new turn, as this request got before continuing
+            if not continue_final or body.continue_final_message or e.code == TEMPLATE_TIMEOUT_CODE:
+                raise
+            return engine.apply_chat_template(engine_messages, tools.tools, body.template_kwargs())
 
     # the model's own template, never the request's; off the event loop, like all tokenizing
     prompt = await run_in_threadpool(fit, body.messages, render)

@@ -301,6 +301,12 @@ class ChatMessage(OpenAIBaseModel):
     reasoning_content: str | None = None  # an assistant turn's thinking, as this server returned it
     reasoning: str | None = None  # the same, under vLLM's newer name
 
+    def text(self) -> str:
+        """The content's text (its text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
     def to_engine(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
@@ -329,6 +335,22 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # a template variable (GPT-OSS)
     thinking_token_budget: int | None = Field(default=None, ge=0)  # vLLM's: tokens of thinking, then it is closed
+    continue_final_message: bool | None = None  # vLLM's; None: see continues_final_message()
+    add_generation_prompt: bool | None = None  # vLLM's: false goes with continue_final_message
+
+    def continues_final_message(self) -> bool:
+        """Whether the answer continues the last message instead of opening a new assistant turn. Unset, it
+        does when that message is an assistant's with text and no tool calls (a partial answer: Open WebUI's
+        "Continue Response" sends one, a prefill), as Ollama and llama.cpp's server do: a new turn after a
+        partial answer repeats or contradicts it. `continue_final_message: false` opens a new turn (vLLM's
+        default)."""
+        last = self.messages[-1] if self.messages else None
+        partial = (last is not None and last.role == "assistant" and not last.tool_calls
+                   and bool(last.text().strip()))
+        if self.continue_final_message and not partial:
+            raise InvalidRequestError("continue_final_message needs a last message from the assistant with text "
+                                      "to continue", param="continue_final_message")
+        return partial if self.continue_final_message is None else self.continue_final_message
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The template's extra variables: `chat_template_kwargs`, and `reasoning_effort` unless they set it."""
@@ -340,6 +362,9 @@ class ChatCompletionRequest(SamplingRequest):
         return super()._unsupported() + [
             ("functions", bool(self.functions), "the legacy `functions` are not supported; send `tools`"),
             ("chat_template", self.chat_template is not None, "the chat template comes from the model"),
+            ("add_generation_prompt", self.add_generation_prompt is not None
+             and self.add_generation_prompt == self.continues_final_message(),
+             "it is the opposite of continue_final_message: a prompt opens the assistant's turn or continues it"),
             ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
              "top_logprobs needs logprobs: true"),
         ]

@@ -131,6 +131,7 @@ def to_chat_request(body: rp.ResponsesRequest, conversation: Conversation, tools
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body.text),
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "chat_template_kwargs": body.chat_template_kwargs, **_logprob_fields(body),
+        "continue_final_message": False,  # an input that ends with the assistant's message gets a new turn
     }
     with chat_errors():
         try:

@@ -330,7 +330,7 @@ class TemplateRecorder(ScriptedEngine):
         self.messages: list[dict] = []
         self.template_kwargs: dict | None = None
 
-    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None, continue_final=False) -> list[int]:
         self.messages, self.template_kwargs = prepare_messages(messages, tool_template=False), template_kwargs
         return [1, 2, 3]
 

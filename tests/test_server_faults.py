@@ -37,7 +37,7 @@ class ScriptedEngine:
         return [1] * len(text.split())
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         return [1, 2, 3]
 
     def validate(self, request: GenerationRequest) -> None:

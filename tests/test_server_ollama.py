@@ -475,7 +475,7 @@ class ContextRecordedEngine(ThinkingRecordedEngine):
         self.ran: list[dict] = []
         self.prompt: list[int] = []
 
-    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None, continue_final=False) -> list[int]:
         text = "\n".join(f"{m['role']}: {m.get('content') or ''} {m.get('tool_calls') or ''}" for m in messages)
         tokens = self.tokenizer.encode(text, add_special_tokens=False)
         self.renders.append((messages, tokens))

@@ -68,7 +68,7 @@ class RecordedEngine:
         self.params = None
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         self.messages, self.tools = messages, tools
         return [1, 2, 3]
 
@@ -108,7 +108,7 @@ class ThinkingRecordedEngine(RecordedEngine):
         super().__init__()
         self.template_kwargs: dict | None = None
 
-    def apply_chat_template(self, messages, tools=None, template_kwargs=None) -> list[int]:
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None, continue_final=False) -> list[int]:
         self.template_kwargs = template_kwargs
         return super().apply_chat_template(messages, tools, template_kwargs)
 
