@@ -697,11 +697,104 @@ def openai_agents_checks(demo: str, scripted: str) -> dict:
     return checks
 
 
+def haystack_checks(demo: str, scripted: str) -> dict:
+    from haystack import Document
+    from haystack.components.agents import Agent
+    from haystack.components.embedders import OpenAIDocumentEmbedder, OpenAITextEmbedder
+    from haystack.components.generators.chat import OpenAIChatGenerator
+    from haystack.dataclasses import ChatMessage
+    from haystack.tools import create_tool_from_function
+    from haystack.utils import Secret
+
+    key = Secret.from_token("unused")
+    weather = create_tool_from_function(get_weather)
+    ask, weather_ask = ChatMessage.from_user(ASK[0]["content"]), ChatMessage.from_user(WEATHER_ASK[0]["content"])
+
+    def plain(**kw):
+        gen = OpenAIChatGenerator(api_key=key, model=DEMO, api_base_url=f"{demo}/v1",
+                                  generation_kwargs={"max_tokens": N, "temperature": 0}, **kw)
+        return gen.run([ask])["replies"][0].text
+
+    def streamed():
+        pieces: list[str] = []
+        out = plain(streaming_callback=lambda chunk: pieces.append(chunk.content))
+        return expect(bool("".join(pieces)) and "".join(pieces) == out, (pieces, out))
+
+    def round_trip(streamed: bool):
+        # Haystack 3 has no ToolInvoker: the reply's calls are run by hand and answered with tool messages
+        kw = {"streaming_callback": lambda chunk: None} if streamed else {}
+        gen = OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1", tools=[weather], **kw)
+        reply = gen.run([weather_ask])["replies"][0]
+        expect(len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == {"city": "Paris"}, reply)
+        results = [ChatMessage.from_tool(weather.invoke(**c.arguments), origin=c) for c in reply.tool_calls]
+        second = gen.run([weather_ask, reply, *results])["replies"][0]
+        return expect(TOOL_RESULT in (second.text or ""), second)
+
+    def agent():
+        gen = OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1")
+        out = Agent(chat_generator=gen, tools=[weather]).run([weather_ask])["messages"][-1]
+        return expect(TOOL_RESULT in (out.text or ""), out)
+
+    def embed():
+        query = OpenAITextEmbedder(api_key=key, model=DEMO, api_base_url=f"{demo}/v1").run(TEXTS[0])["embedding"]
+        documents = OpenAIDocumentEmbedder(api_key=key, model=DEMO, api_base_url=f"{demo}/v1").run(
+            [Document(content=TEXTS[1])])["documents"]
+        return unit_vectors([query, documents[0].embedding], len(TEXTS))
+
+    checks = {"OpenAIChatGenerator run": lambda: expect(bool(out := plain()), out),
+              "OpenAIChatGenerator streaming_callback": streamed,
+              "OpenAIChatGenerator tools round trip": lambda: round_trip(False),
+              "OpenAIChatGenerator tools round trip, streaming_callback": lambda: round_trip(True),
+              "Agent with a tool": agent,
+              "OpenAITextEmbedder, OpenAIDocumentEmbedder": embed}
+    try:
+        from haystack_integrations.components.embedders.ollama import (
+            OllamaDocumentEmbedder,
+            OllamaTextEmbedder,
+        )
+        from haystack_integrations.components.generators.ollama import OllamaChatGenerator
+    except ImportError:  # ollama-haystack is optional
+        return checks
+
+    def ollama_plain(**kw):
+        gen = OllamaChatGenerator(model=DEMO, url=demo, generation_kwargs={"num_predict": N, "temperature": 0}, **kw)
+        return gen.run([ask])["replies"][0].text
+
+    def ollama_streamed():
+        pieces: list[str] = []
+        out = ollama_plain(streaming_callback=lambda chunk: pieces.append(chunk.content))
+        return expect(bool("".join(pieces)), (pieces, out))
+
+    def ollama_round_trip():
+        gen = OllamaChatGenerator(model=SCRIPTED, url=scripted, tools=[weather])
+        reply = gen.run([weather_ask])["replies"][0]
+        expect(len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == {"city": "Paris"}, reply)
+        results = [ChatMessage.from_tool(weather.invoke(**c.arguments), origin=c) for c in reply.tool_calls]
+        second = gen.run([weather_ask, reply, *results])["replies"][0]
+        return expect(TOOL_RESULT in (second.text or ""), second)
+
+    def ollama_schema():
+        out = OllamaChatGenerator(model=SCRIPTED, url=scripted, response_format=PERSON_SCHEMA).run([ask])
+        return expect(json.loads(out["replies"][0].text) == PERSON, out)
+
+    def ollama_embed():
+        query = OllamaTextEmbedder(model=DEMO, url=demo).run(TEXTS[0])["embedding"]
+        documents = OllamaDocumentEmbedder(model=DEMO, url=demo).run([Document(content=TEXTS[1])])["documents"]
+        return unit_vectors([query, documents[0].embedding], len(TEXTS))
+
+    return checks | {"OllamaChatGenerator run": lambda: expect(bool(out := ollama_plain()), out),
+                     "OllamaChatGenerator streaming_callback": ollama_streamed,
+                     "OllamaChatGenerator tools round trip": ollama_round_trip,
+                     "OllamaChatGenerator response_format json schema": ollama_schema,
+                     "OllamaTextEmbedder, OllamaDocumentEmbedder": ollama_embed}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
              "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
              "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
-             "openai-agents": openai_agents_checks}
+             "openai-agents": openai_agents_checks,
+             "haystack": haystack_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
