@@ -789,12 +789,72 @@ def haystack_checks(demo: str, scripted: str) -> dict:
                      "OllamaTextEmbedder, OllamaDocumentEmbedder": ollama_embed}
 
 
+def autogen_checks(demo: str, scripted: str) -> dict:
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_core.models import CreateResult, UserMessage
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    Person = person_class()
+    # a model name it does not know needs its capabilities spelled out
+    info = {"vision": False, "function_calling": True, "json_output": True, "family": "unknown",
+            "structured_output": True}
+    ask = [UserMessage(content=ASK[0]["content"], source="user")]
+
+    def client(base: str, name: str, **kw) -> OpenAIChatCompletionClient:
+        return OpenAIChatCompletionClient(model=name, base_url=f"{base}/v1", api_key="unused", model_info=info, **kw)
+
+    async def create(streamed: bool):
+        llm = client(demo, DEMO, max_tokens=N, temperature=0)
+        try:
+            if not streamed:
+                return (await llm.create(ask)).content
+            items = [item async for item in llm.create_stream(ask)]
+            expect(isinstance(items[-1], CreateResult) and len(items) > 2, items[-1])
+            return "".join(i for i in items[:-1] if isinstance(i, str))
+        finally:
+            await llm.close()
+
+    async def structured():
+        llm = client(scripted, SCRIPTED)
+        try:
+            return Person.model_validate_json((await llm.create(ask, json_output=Person)).content)
+        finally:
+            await llm.close()
+
+    async def agent(streamed: bool = False, **kw):
+        llm = client(scripted, SCRIPTED)
+        try:
+            assistant = AssistantAgent("assistant", model_client=llm, model_client_stream=streamed, **kw)
+            task = WEATHER_ASK[0]["content"] if "tools" in kw else ASK[0]["content"]
+            if not streamed:
+                return (await assistant.run(task=task)).messages[-1]
+            return [item async for item in assistant.run_stream(task=task)][-1].messages[-1]
+        finally:
+            await llm.close()
+
+    def tools(streamed: bool):
+        out = run_async(agent(streamed, tools=[get_weather], reflect_on_tool_use=True))
+        return expect(TOOL_RESULT in str(out.content), out)
+
+    def agent_structured():
+        out = run_async(agent(output_content_type=Person))
+        return expect(out.content.model_dump() == PERSON, out)
+
+    return {"OpenAIChatCompletionClient create": lambda: expect(bool(t := run_async(create(False))), t),
+            "OpenAIChatCompletionClient create_stream": lambda: expect(bool(t := run_async(create(True))), t),
+            "OpenAIChatCompletionClient create json_output=Person": lambda: expect(
+                (p := run_async(structured())).model_dump() == PERSON, p),
+            "AssistantAgent tool, reflect_on_tool_use": lambda: tools(False),
+            "AssistantAgent tool, reflect_on_tool_use, model_client_stream": lambda: tools(True),
+            "AssistantAgent output_content_type": agent_structured}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
              "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
              "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
              "openai-agents": openai_agents_checks,
-             "haystack": haystack_checks}
+             "haystack": haystack_checks, "autogen": autogen_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
