@@ -68,8 +68,9 @@ def scripted_answer(prompt: str, grammar: str | None) -> str:
         if '"name": "final_answer"' in prompt:  # smolagents ends a run only by this tool
             return tool_call("final_answer", {"answer": f"The tool said: {result.group(1)}"})
         return f"The tool said: {result.group(1)}"
-    # (instructor's streamed Partial offers the Person function as "PartialPerson")
-    calls = {"get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
+    # (instructor's streamed Partial offers the Person function as "PartialPerson", Semantic Kernel its
+    # kernel functions as "plugin-function")
+    calls = {r"[\w-]*get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
     for name, arguments in calls.items():
         if offered := re.search(f'"name": "({name})"', prompt):
             return tool_call(offered.group(1), arguments)
@@ -849,12 +850,59 @@ def autogen_checks(demo: str, scripted: str) -> dict:
             "AssistantAgent output_content_type": agent_structured}
 
 
+def semantic_kernel_checks(demo: str, scripted: str) -> dict:
+    from openai import AsyncOpenAI
+    from semantic_kernel import Kernel
+    from semantic_kernel.connectors.ai.function_choice_behavior import FunctionChoiceBehavior
+    from semantic_kernel.connectors.ai.open_ai import OpenAIChatCompletion, OpenAIChatPromptExecutionSettings
+    from semantic_kernel.contents import ChatHistory
+    from semantic_kernel.functions import kernel_function
+
+    class Weather:
+        @kernel_function(name="get_weather", description="The weather in a city")
+        def get_weather(self, city: str) -> str:
+            return TOOL_RESULT
+
+    async def chat(base: str, name: str, ask: str, streamed: bool = False, with_kernel: bool = False, **settings):
+        # the client is made and closed on the run's own event loop
+        async with AsyncOpenAI(base_url=f"{base}/v1", api_key="unused") as client:
+            service = OpenAIChatCompletion(ai_model_id=name, async_client=client)
+            history, kernel = ChatHistory(), Kernel()
+            history.add_user_message(ask)
+            kernel.add_plugin(Weather(), plugin_name="weather")  # offered as "weather-get_weather"
+            kw = {"kernel": kernel} if with_kernel else {}
+            execution = OpenAIChatPromptExecutionSettings(**settings)
+            if not streamed:
+                return str(await service.get_chat_message_content(history, execution, **kw))
+            return "".join([str(c) async for c in service.get_streaming_chat_message_content(history, execution, **kw)])
+
+    def plain(streamed: bool):
+        out = run_async(chat(demo, DEMO, ASK[0]["content"], streamed, max_tokens=N, temperature=0))
+        return expect(bool(out), out)
+
+    def tools(streamed: bool):
+        out = run_async(chat(scripted, SCRIPTED, WEATHER_ASK[0]["content"], streamed, with_kernel=True,
+                             function_choice_behavior=FunctionChoiceBehavior.Auto()))
+        return expect(TOOL_RESULT in out, out)
+
+    def structured():
+        out = run_async(chat(scripted, SCRIPTED, ASK[0]["content"], response_format=person_class()))
+        return expect(json.loads(out) == PERSON, out)
+
+    return {"OpenAIChatCompletion get_chat_message_content": lambda: plain(False),
+            "OpenAIChatCompletion get_streaming_chat_message_content": lambda: plain(True),
+            "auto function calling (kernel_function)": lambda: tools(False),
+            "auto function calling, streamed": lambda: tools(True),
+            "response_format pydantic": structured}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
              "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
              "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
              "openai-agents": openai_agents_checks,
-             "haystack": haystack_checks, "autogen": autogen_checks}
+             "haystack": haystack_checks, "autogen": autogen_checks,
+             "semantic-kernel": semantic_kernel_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
