@@ -71,8 +71,10 @@ def scripted_answer(prompt: str, grammar: str | None) -> str:
     # (instructor's streamed Partial offers the Person function as "PartialPerson", Semantic Kernel its
     # kernel functions as "plugin-function")
     calls = {r"[\w-]*get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
+    # only the functions offered now (LangGraph's last, structured step has an earlier call in its history)
+    tools = "".join(re.findall(r"<tools>(.*?)</tools>", prompt, re.S))
     for name, arguments in calls.items():
-        if offered := re.search(f'"name": "({name})"', prompt):
+        if offered := re.search(f'"name": "({name})"', tools):
             return tool_call(offered.group(1), arguments)
     if "[[ ## completed ## ]]" in last:  # DSPy's ChatAdapter: each output field under its marker
         return "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in PERSON.items()) + "[[ ## completed ## ]]"
@@ -896,13 +898,42 @@ def semantic_kernel_checks(demo: str, scripted: str) -> dict:
             "response_format pydantic": structured}
 
 
+def langgraph_checks(demo: str, scripted: str) -> dict:
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    Person = person_class()
+    ask = {"messages": [("user", WEATHER_ASK[0]["content"])]}
+
+    def agent(**kw):
+        return create_react_agent(ChatOpenAI(model=SCRIPTED, base_url=f"{scripted}/v1", api_key="unused"),
+                                  [get_weather], **kw)
+
+    def invoke():
+        out = agent().invoke(ask)["messages"]
+        return expect(TOOL_RESULT in out[-1].content and [m.type for m in out] == ["human", "ai", "tool", "ai"],
+                      [(m.type, m.content) for m in out])
+
+    def stream():  # token by token, as a chat UI shows it
+        pieces = [chunk.content for chunk, _ in agent().stream(ask, stream_mode="messages")
+                  if chunk.type == "AIMessageChunk"]
+        return expect(TOOL_RESULT in "".join(pieces), pieces)
+
+    def structured():
+        out = agent(response_format=Person).invoke(ask)
+        return expect(out["structured_response"].model_dump() == PERSON, out["structured_response"])
+
+    return {"create_react_agent invoke": invoke, "create_react_agent stream_mode=messages": stream,
+            "create_react_agent response_format": structured}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
              "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
              "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
              "openai-agents": openai_agents_checks,
              "haystack": haystack_checks, "autogen": autogen_checks,
-             "semantic-kernel": semantic_kernel_checks}
+             "semantic-kernel": semantic_kernel_checks, "langgraph": langgraph_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
