@@ -6,8 +6,15 @@ Install the clients (not the project's venv; aider pins its own litellm and open
     /tmp/clients-venv/bin/pip install 'pydantic-ai-slim[openai]' instructor dspy 'smolagents[openai]' \
         openai-agents llama-index-core llama-index-llms-openai-like llama-index-llms-ollama \
         llama-index-embeddings-openai llama-index-embeddings-ollama
+    /tmp/clients-venv/bin/pip install haystack-ai ollama-haystack
+    /tmp/clients-venv/bin/pip install autogen-agentchat 'autogen-ext[openai]'
+    /tmp/clients-venv/bin/pip install semantic-kernel langgraph
 (one group at a time: all at once, pip backtracks through litellm releases for a long while)
     python3 -m venv /tmp/aider-venv && /tmp/aider-venv/bin/pip install aider-chat
+shell-gpt, gptme and CrewAI pin openai<3 (and CrewAI an older pydantic), so each gets a venv apart too:
+    python3 -m venv /tmp/sgpt-venv && /tmp/sgpt-venv/bin/pip install shell-gpt click
+    python3 -m venv /tmp/gptme-venv && /tmp/gptme-venv/bin/pip install gptme
+    python3 -m venv /tmp/crewai-venv && /tmp/crewai-venv/bin/pip install crewai
 Run (from the repository root; the clients run in /tmp/clients-venv, each server is a subprocess of the project's
 .venv running this file with --serve):
     /tmp/clients-venv/bin/python bench/python_clients.py [--only litellm,ollama,...] [--out FILE]
@@ -927,13 +934,111 @@ def langgraph_checks(demo: str, scripted: str) -> dict:
             "create_react_agent response_format": structured}
 
 
+def shell_gpt_checks(demo: str, scripted: str) -> dict:
+    binary = "/tmp/sgpt-venv/bin/sgpt"  # shell-gpt pins openai<3: a venv apart
+    home = Path(tempfile.mkdtemp(prefix="sgpt-home-"))
+    # without OPENAI_API_KEY its first run asks for a key on the terminal
+    env = {"HOME": str(home), "OPENAI_API_KEY": "unused", "API_BASE_URL": f"{demo}/v1", "DEFAULT_MODEL": DEMO,
+           "CHAT_CACHE_PATH": str(home / "chats"), "CACHE_PATH": str(home / "cache"),
+           "REQUEST_TIMEOUT": "600"}  # its 60 s default, on a loaded CPU, ends in retries of a request still running
+
+    def sgpt(*args: str, **extra: str) -> str:
+        done = run_cli([binary, "--no-cache", *args], env | extra)
+        return expect(done.returncode == 0 and done.stdout.strip() and "Error" not in done.stderr,
+                      (done.returncode, done.stdout[-300:], done.stderr[-300:]))
+
+    def chat() -> str:
+        sgpt("--no-functions", "--chat", "greetings", "Say hello")
+        out = sgpt("--no-functions", "--chat", "greetings", "Say it again")
+        turns = json.loads((home / "chats" / "greetings").read_text(encoding="utf-8"))
+        return expect([t["role"] for t in turns][-4:] == ["user", "assistant", "user", "assistant"], (turns, out))
+
+    # (functions on, its default, offer only those installed by --install-functions: none here)
+    checks = {"sgpt prompt (streamed)": lambda: sgpt("Say hello"),
+              "sgpt prompt, DISABLE_STREAMING": lambda: sgpt("--no-functions", "Say hello", DISABLE_STREAMING="true"),
+              "sgpt --code": lambda: sgpt("--no-functions", "--code", "print hello in python"),
+              "sgpt --shell --no-interaction": lambda: sgpt("--no-functions", "--shell", "--no-interaction",
+                                                            "list files"),
+              "sgpt --chat, two turns": chat}
+    return checks if Path(binary).exists() else {}
+
+
+def gptme_checks(demo: str, scripted: str) -> dict:
+    binary = "/tmp/gptme-venv/bin/gptme"  # gptme pins openai<3 too
+
+    def run(base: str, name: str, *args: str) -> str:
+        home = Path(tempfile.mkdtemp(prefix="gptme-home-"))
+        # the "local" provider: any OpenAI-compatible server at OPENAI_BASE_URL
+        done = run_cli([binary, "-n", "--model", f"local/{name}", "--no-workspace", *args, "Say hello"],
+                       {"HOME": str(home), "OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": "unused"},
+                       cwd=home, timeout=600)
+        # it fetches tiktoken's encoding from openaipublic.blob.core.windows.net to count tokens: offline, that fails
+        # apart from the server (and it goes on)
+        bad = [line for line in re.findall(r".*(?:Error|Traceback|Exception).*", done.stdout + done.stderr)
+               if "openaipublic" not in line and "tiktoken" not in line]
+        return expect(done.returncode == 0 and not bad, (done.returncode, bad[:5], done.stdout[-400:],
+                                                          done.stderr[-400:]))
+
+    checks = {"gptme -n, no tools, stream": lambda: run(demo, DEMO, "--tools", "none", "--stream"),
+              "gptme -n, no tools, no stream": lambda: run(demo, DEMO, "--tools", "none", "--no-stream"),
+              "gptme -n, shell tool, tool-format tool": lambda: run(scripted, SCRIPTED, "--tools", "shell",
+                                                                   "--tool-format", "tool")}
+    return checks if Path(binary).exists() else {}
+
+
+CREW_SCRIPT = """
+import sys
+from crewai import LLM, Agent, Crew, Task
+from crewai.tools import tool
+
+base, model, with_tool, streamed = sys.argv[1], sys.argv[2], sys.argv[3] == "tool", sys.argv[4] == "stream"
+
+
+@tool("get_weather")
+def get_weather(city: str) -> str:
+    \"\"\"The weather in a city.\"\"\"
+    return "sunny, 21 C"
+
+
+llm = LLM(model="openai/" + model, base_url=base + "/v1", api_key="unused", stream=streamed,
+          **({} if with_tool else {"max_tokens": 16, "temperature": 0}))
+agent = Agent(role="Helper", goal="Answer the question", backstory="A helpful assistant.", llm=llm,
+              tools=[get_weather] if with_tool else [], max_iter=3, verbose=False)
+task = Task(description="What is the weather in Paris?" if with_tool else "Say hello in five words.",
+            expected_output="A short answer.", agent=agent)
+print("RESULT:", Crew(agents=[agent], tasks=[task]).kickoff().raw)
+"""
+
+
+def crewai_checks(demo: str, scripted: str) -> dict:
+    python = "/tmp/crewai-venv/bin/python"  # CrewAI pins openai<3 and an older pydantic: a venv apart
+
+    def run(base: str, name: str, with_tool: bool, streamed: bool = False) -> str:
+        home = Path(tempfile.mkdtemp(prefix="crewai-home-"))
+        done = run_cli([python, "-c", CREW_SCRIPT, base, name, "tool" if with_tool else "plain",
+                        "stream" if streamed else "no stream"],
+                       {"HOME": str(home), "CREWAI_DISABLE_TELEMETRY": "true", "OTEL_SDK_DISABLED": "true",
+                        "CREWAI_TRACING_ENABLED": "false"}, cwd=home, timeout=600)
+        out = done.stdout.rpartition("RESULT:")[2].strip()
+        expect(done.returncode == 0 and out and (TOOL_RESULT in out or not with_tool),
+               (done.returncode, done.stdout[-400:], done.stderr[-400:]))
+        return out
+
+    checks = {"LLM(openai/...) Crew kickoff": lambda: run(demo, DEMO, False),
+              "LLM(openai/...) Crew kickoff, stream": lambda: run(demo, DEMO, False, True),
+              "LLM(openai/...) Crew kickoff with a tool": lambda: run(scripted, SCRIPTED, True)}
+    return checks if Path(python).exists() else {}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
              "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
              "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
              "openai-agents": openai_agents_checks,
              "haystack": haystack_checks, "autogen": autogen_checks,
-             "semantic-kernel": semantic_kernel_checks, "langgraph": langgraph_checks}
+             "semantic-kernel": semantic_kernel_checks, "langgraph": langgraph_checks,
+             "shell-gpt": shell_gpt_checks, "gptme": gptme_checks,
+             "crewai": crewai_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
