@@ -6,8 +6,15 @@ Install the clients (not the project's venv; aider pins its own litellm and open
     /tmp/clients-venv/bin/pip install 'pydantic-ai-slim[openai]' instructor dspy 'smolagents[openai]' \
         openai-agents llama-index-core llama-index-llms-openai-like llama-index-llms-ollama \
         llama-index-embeddings-openai llama-index-embeddings-ollama
+    /tmp/clients-venv/bin/pip install haystack-ai ollama-haystack
+    /tmp/clients-venv/bin/pip install autogen-agentchat 'autogen-ext[openai]'
+    /tmp/clients-venv/bin/pip install semantic-kernel langgraph
 (one group at a time: all at once, pip backtracks through litellm releases for a long while)
     python3 -m venv /tmp/aider-venv && /tmp/aider-venv/bin/pip install aider-chat
+shell-gpt, gptme and CrewAI pin openai<3 (and CrewAI an older pydantic), so each gets a venv apart too:
+    python3 -m venv /tmp/sgpt-venv && /tmp/sgpt-venv/bin/pip install shell-gpt click
+    python3 -m venv /tmp/gptme-venv && /tmp/gptme-venv/bin/pip install gptme
+    python3 -m venv /tmp/crewai-venv && /tmp/crewai-venv/bin/pip install crewai
 Run (from the repository root; the clients run in /tmp/clients-venv, each server is a subprocess of the project's
 .venv running this file with --serve):
     /tmp/clients-venv/bin/python bench/python_clients.py [--only litellm,ollama,...] [--out FILE]
@@ -68,10 +75,13 @@ def scripted_answer(prompt: str, grammar: str | None) -> str:
         if '"name": "final_answer"' in prompt:  # smolagents ends a run only by this tool
             return tool_call("final_answer", {"answer": f"The tool said: {result.group(1)}"})
         return f"The tool said: {result.group(1)}"
-    # (instructor's streamed Partial offers the Person function as "PartialPerson")
-    calls = {"get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
+    # (instructor's streamed Partial offers the Person function as "PartialPerson", Semantic Kernel its
+    # kernel functions as "plugin-function")
+    calls = {r"[\w-]*get_weather": {"city": "Paris"}, r"\w*Person": PERSON}
+    # only the functions offered now (LangGraph's last, structured step has an earlier call in its history)
+    tools = "".join(re.findall(r"<tools>(.*?)</tools>", prompt, re.S))
     for name, arguments in calls.items():
-        if offered := re.search(f'"name": "({name})"', prompt):
+        if offered := re.search(f'"name": "({name})"', tools):
             return tool_call(offered.group(1), arguments)
     if "[[ ## completed ## ]]" in last:  # DSPy's ChatAdapter: each output field under its marker
         return "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in PERSON.items()) + "[[ ## completed ## ]]"
@@ -697,11 +707,340 @@ def openai_agents_checks(demo: str, scripted: str) -> dict:
     return checks
 
 
+def haystack_checks(demo: str, scripted: str) -> dict:
+    from haystack import Document
+    from haystack.components.agents import Agent
+    from haystack.components.embedders import OpenAIDocumentEmbedder, OpenAITextEmbedder
+    from haystack.components.generators.chat import OpenAIChatGenerator
+    from haystack.dataclasses import ChatMessage
+    from haystack.tools import create_tool_from_function
+    from haystack.utils import Secret
+
+    key = Secret.from_token("unused")
+    weather = create_tool_from_function(get_weather)
+    ask, weather_ask = ChatMessage.from_user(ASK[0]["content"]), ChatMessage.from_user(WEATHER_ASK[0]["content"])
+
+    def plain(**kw):
+        gen = OpenAIChatGenerator(api_key=key, model=DEMO, api_base_url=f"{demo}/v1",
+                                  generation_kwargs={"max_tokens": N, "temperature": 0}, **kw)
+        return gen.run([ask])["replies"][0].text
+
+    def streamed():
+        pieces: list[str] = []
+        out = plain(streaming_callback=lambda chunk: pieces.append(chunk.content))
+        return expect(bool("".join(pieces)) and "".join(pieces) == out, (pieces, out))
+
+    def round_trip(streamed: bool):
+        # Haystack 3 has no ToolInvoker: the reply's calls are run by hand and answered with tool messages
+        kw = {"streaming_callback": lambda chunk: None} if streamed else {}
+        gen = OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1", tools=[weather], **kw)
+        reply = gen.run([weather_ask])["replies"][0]
+        expect(len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == {"city": "Paris"}, reply)
+        results = [ChatMessage.from_tool(weather.invoke(**c.arguments), origin=c) for c in reply.tool_calls]
+        second = gen.run([weather_ask, reply, *results])["replies"][0]
+        return expect(TOOL_RESULT in (second.text or ""), second)
+
+    def agent():
+        gen = OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1")
+        out = Agent(chat_generator=gen, tools=[weather]).run([weather_ask])["messages"][-1]
+        return expect(TOOL_RESULT in (out.text or ""), out)
+
+    def embed():
+        query = OpenAITextEmbedder(api_key=key, model=DEMO, api_base_url=f"{demo}/v1").run(TEXTS[0])["embedding"]
+        documents = OpenAIDocumentEmbedder(api_key=key, model=DEMO, api_base_url=f"{demo}/v1").run(
+            [Document(content=TEXTS[1])])["documents"]
+        return unit_vectors([query, documents[0].embedding], len(TEXTS))
+
+    checks = {"OpenAIChatGenerator run": lambda: expect(bool(out := plain()), out),
+              "OpenAIChatGenerator streaming_callback": streamed,
+              "OpenAIChatGenerator tools round trip": lambda: round_trip(False),
+              "OpenAIChatGenerator tools round trip, streaming_callback": lambda: round_trip(True),
+              "Agent with a tool": agent,
+              "OpenAITextEmbedder, OpenAIDocumentEmbedder": embed}
+    try:
+        from haystack_integrations.components.embedders.ollama import (
+            OllamaDocumentEmbedder,
+            OllamaTextEmbedder,
+        )
+        from haystack_integrations.components.generators.ollama import OllamaChatGenerator
+    except ImportError:  # ollama-haystack is optional
+        return checks
+
+    def ollama_plain(**kw):
+        gen = OllamaChatGenerator(model=DEMO, url=demo, generation_kwargs={"num_predict": N, "temperature": 0}, **kw)
+        return gen.run([ask])["replies"][0].text
+
+    def ollama_streamed():
+        pieces: list[str] = []
+        out = ollama_plain(streaming_callback=lambda chunk: pieces.append(chunk.content))
+        return expect(bool("".join(pieces)), (pieces, out))
+
+    def ollama_round_trip():
+        gen = OllamaChatGenerator(model=SCRIPTED, url=scripted, tools=[weather])
+        reply = gen.run([weather_ask])["replies"][0]
+        expect(len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == {"city": "Paris"}, reply)
+        results = [ChatMessage.from_tool(weather.invoke(**c.arguments), origin=c) for c in reply.tool_calls]
+        second = gen.run([weather_ask, reply, *results])["replies"][0]
+        return expect(TOOL_RESULT in (second.text or ""), second)
+
+    def ollama_schema():
+        out = OllamaChatGenerator(model=SCRIPTED, url=scripted, response_format=PERSON_SCHEMA).run([ask])
+        return expect(json.loads(out["replies"][0].text) == PERSON, out)
+
+    def ollama_embed():
+        query = OllamaTextEmbedder(model=DEMO, url=demo).run(TEXTS[0])["embedding"]
+        documents = OllamaDocumentEmbedder(model=DEMO, url=demo).run([Document(content=TEXTS[1])])["documents"]
+        return unit_vectors([query, documents[0].embedding], len(TEXTS))
+
+    return checks | {"OllamaChatGenerator run": lambda: expect(bool(out := ollama_plain()), out),
+                     "OllamaChatGenerator streaming_callback": ollama_streamed,
+                     "OllamaChatGenerator tools round trip": ollama_round_trip,
+                     "OllamaChatGenerator response_format json schema": ollama_schema,
+                     "OllamaTextEmbedder, OllamaDocumentEmbedder": ollama_embed}
+
+
+def autogen_checks(demo: str, scripted: str) -> dict:
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_core.models import CreateResult, UserMessage
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    Person = person_class()
+    # a model name it does not know needs its capabilities spelled out
+    info = {"vision": False, "function_calling": True, "json_output": True, "family": "unknown",
+            "structured_output": True}
+    ask = [UserMessage(content=ASK[0]["content"], source="user")]
+
+    def client(base: str, name: str, **kw) -> OpenAIChatCompletionClient:
+        return OpenAIChatCompletionClient(model=name, base_url=f"{base}/v1", api_key="unused", model_info=info, **kw)
+
+    async def create(streamed: bool):
+        llm = client(demo, DEMO, max_tokens=N, temperature=0)
+        try:
+            if not streamed:
+                return (await llm.create(ask)).content
+            items = [item async for item in llm.create_stream(ask)]
+            expect(isinstance(items[-1], CreateResult) and len(items) > 2, items[-1])
+            return "".join(i for i in items[:-1] if isinstance(i, str))
+        finally:
+            await llm.close()
+
+    async def structured():
+        llm = client(scripted, SCRIPTED)
+        try:
+            return Person.model_validate_json((await llm.create(ask, json_output=Person)).content)
+        finally:
+            await llm.close()
+
+    async def agent(streamed: bool = False, **kw):
+        llm = client(scripted, SCRIPTED)
+        try:
+            assistant = AssistantAgent("assistant", model_client=llm, model_client_stream=streamed, **kw)
+            task = WEATHER_ASK[0]["content"] if "tools" in kw else ASK[0]["content"]
+            if not streamed:
+                return (await assistant.run(task=task)).messages[-1]
+            return [item async for item in assistant.run_stream(task=task)][-1].messages[-1]
+        finally:
+            await llm.close()
+
+    def tools(streamed: bool):
+        out = run_async(agent(streamed, tools=[get_weather], reflect_on_tool_use=True))
+        return expect(TOOL_RESULT in str(out.content), out)
+
+    def agent_structured():
+        out = run_async(agent(output_content_type=Person))
+        return expect(out.content.model_dump() == PERSON, out)
+
+    return {"OpenAIChatCompletionClient create": lambda: expect(bool(t := run_async(create(False))), t),
+            "OpenAIChatCompletionClient create_stream": lambda: expect(bool(t := run_async(create(True))), t),
+            "OpenAIChatCompletionClient create json_output=Person": lambda: expect(
+                (p := run_async(structured())).model_dump() == PERSON, p),
+            "AssistantAgent tool, reflect_on_tool_use": lambda: tools(False),
+            "AssistantAgent tool, reflect_on_tool_use, model_client_stream": lambda: tools(True),
+            "AssistantAgent output_content_type": agent_structured}
+
+
+def semantic_kernel_checks(demo: str, scripted: str) -> dict:
+    from openai import AsyncOpenAI
+    from semantic_kernel import Kernel
+    from semantic_kernel.connectors.ai.function_choice_behavior import FunctionChoiceBehavior
+    from semantic_kernel.connectors.ai.open_ai import OpenAIChatCompletion, OpenAIChatPromptExecutionSettings
+    from semantic_kernel.contents import ChatHistory
+    from semantic_kernel.functions import kernel_function
+
+    class Weather:
+        @kernel_function(name="get_weather", description="The weather in a city")
+        def get_weather(self, city: str) -> str:
+            return TOOL_RESULT
+
+    async def chat(base: str, name: str, ask: str, streamed: bool = False, with_kernel: bool = False, **settings):
+        # the client is made and closed on the run's own event loop
+        async with AsyncOpenAI(base_url=f"{base}/v1", api_key="unused") as client:
+            service = OpenAIChatCompletion(ai_model_id=name, async_client=client)
+            history, kernel = ChatHistory(), Kernel()
+            history.add_user_message(ask)
+            kernel.add_plugin(Weather(), plugin_name="weather")  # offered as "weather-get_weather"
+            kw = {"kernel": kernel} if with_kernel else {}
+            execution = OpenAIChatPromptExecutionSettings(**settings)
+            if not streamed:
+                return str(await service.get_chat_message_content(history, execution, **kw))
+            return "".join([str(c) async for c in service.get_streaming_chat_message_content(history, execution, **kw)])
+
+    def plain(streamed: bool):
+        out = run_async(chat(demo, DEMO, ASK[0]["content"], streamed, max_tokens=N, temperature=0))
+        return expect(bool(out), out)
+
+    def tools(streamed: bool):
+        out = run_async(chat(scripted, SCRIPTED, WEATHER_ASK[0]["content"], streamed, with_kernel=True,
+                             function_choice_behavior=FunctionChoiceBehavior.Auto()))
+        return expect(TOOL_RESULT in out, out)
+
+    def structured():
+        out = run_async(chat(scripted, SCRIPTED, ASK[0]["content"], response_format=person_class()))
+        return expect(json.loads(out) == PERSON, out)
+
+    return {"OpenAIChatCompletion get_chat_message_content": lambda: plain(False),
+            "OpenAIChatCompletion get_streaming_chat_message_content": lambda: plain(True),
+            "auto function calling (kernel_function)": lambda: tools(False),
+            "auto function calling, streamed": lambda: tools(True),
+            "response_format pydantic": structured}
+
+
+def langgraph_checks(demo: str, scripted: str) -> dict:
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    Person = person_class()
+    ask = {"messages": [("user", WEATHER_ASK[0]["content"])]}
+
+    def agent(**kw):
+        return create_react_agent(ChatOpenAI(model=SCRIPTED, base_url=f"{scripted}/v1", api_key="unused"),
+                                  [get_weather], **kw)
+
+    def invoke():
+        out = agent().invoke(ask)["messages"]
+        return expect(TOOL_RESULT in out[-1].content and [m.type for m in out] == ["human", "ai", "tool", "ai"],
+                      [(m.type, m.content) for m in out])
+
+    def stream():  # token by token, as a chat UI shows it
+        pieces = [chunk.content for chunk, _ in agent().stream(ask, stream_mode="messages")
+                  if chunk.type == "AIMessageChunk"]
+        return expect(TOOL_RESULT in "".join(pieces), pieces)
+
+    def structured():
+        out = agent(response_format=Person).invoke(ask)
+        return expect(out["structured_response"].model_dump() == PERSON, out["structured_response"])
+
+    return {"create_react_agent invoke": invoke, "create_react_agent stream_mode=messages": stream,
+            "create_react_agent response_format": structured}
+
+
+def shell_gpt_checks(demo: str, scripted: str) -> dict:
+    binary = "/tmp/sgpt-venv/bin/sgpt"  # shell-gpt pins openai<3: a venv apart
+    home = Path(tempfile.mkdtemp(prefix="sgpt-home-"))
+    # without OPENAI_API_KEY its first run asks for a key on the terminal
+    env = {"HOME": str(home), "OPENAI_API_KEY": "unused", "API_BASE_URL": f"{demo}/v1", "DEFAULT_MODEL": DEMO,
+           "CHAT_CACHE_PATH": str(home / "chats"), "CACHE_PATH": str(home / "cache"),
+           "REQUEST_TIMEOUT": "600"}  # its 60 s default, on a loaded CPU, ends in retries of a request still running
+
+    def sgpt(*args: str, **extra: str) -> str:
+        done = run_cli([binary, "--no-cache", *args], env | extra)
+        return expect(done.returncode == 0 and done.stdout.strip() and "Error" not in done.stderr,
+                      (done.returncode, done.stdout[-300:], done.stderr[-300:]))
+
+    def chat() -> str:
+        sgpt("--no-functions", "--chat", "greetings", "Say hello")
+        out = sgpt("--no-functions", "--chat", "greetings", "Say it again")
+        turns = json.loads((home / "chats" / "greetings").read_text(encoding="utf-8"))
+        return expect([t["role"] for t in turns][-4:] == ["user", "assistant", "user", "assistant"], (turns, out))
+
+    # (functions on, its default, offer only those installed by --install-functions: none here)
+    checks = {"sgpt prompt (streamed)": lambda: sgpt("Say hello"),
+              "sgpt prompt, DISABLE_STREAMING": lambda: sgpt("--no-functions", "Say hello", DISABLE_STREAMING="true"),
+              "sgpt --code": lambda: sgpt("--no-functions", "--code", "print hello in python"),
+              "sgpt --shell --no-interaction": lambda: sgpt("--no-functions", "--shell", "--no-interaction",
+                                                            "list files"),
+              "sgpt --chat, two turns": chat}
+    return checks if Path(binary).exists() else {}
+
+
+def gptme_checks(demo: str, scripted: str) -> dict:
+    binary = "/tmp/gptme-venv/bin/gptme"  # gptme pins openai<3 too
+
+    def run(base: str, name: str, *args: str) -> str:
+        home = Path(tempfile.mkdtemp(prefix="gptme-home-"))
+        # the "local" provider: any OpenAI-compatible server at OPENAI_BASE_URL. After its answer it asks for a
+        # title in a background thread that -n does not wait for: on a slow model the server sees the client
+        # leave mid-request (a 499, so those checks fail on a client quirk)
+        done = run_cli([binary, "-n", "--model", f"local/{name}", "--no-workspace", *args, "Say hello"],
+                       {"HOME": str(home), "OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": "unused"},
+                       cwd=home, timeout=600)
+        # it fetches tiktoken's encoding from openaipublic.blob.core.windows.net to count tokens: offline, that fails
+        # apart from the server (and it goes on)
+        bad = [line for line in re.findall(r".*(?:Error|Traceback|Exception).*", done.stdout + done.stderr)
+               if "openaipublic" not in line and "tiktoken" not in line]
+        return expect(done.returncode == 0 and not bad, (done.returncode, bad[:5], done.stdout[-400:],
+                                                          done.stderr[-400:]))
+
+    checks = {"gptme -n, no tools, stream": lambda: run(demo, DEMO, "--tools", "none", "--stream"),
+              "gptme -n, no tools, no stream": lambda: run(demo, DEMO, "--tools", "none", "--no-stream"),
+              "gptme -n, shell tool, tool-format tool": lambda: run(scripted, SCRIPTED, "--tools", "shell",
+                                                                   "--tool-format", "tool")}
+    return checks if Path(binary).exists() else {}
+
+
+CREW_SCRIPT = """
+import sys
+from crewai import LLM, Agent, Crew, Task
+from crewai.tools import tool
+
+base, model, with_tool, streamed = sys.argv[1], sys.argv[2], sys.argv[3] == "tool", sys.argv[4] == "stream"
+
+
+@tool("get_weather")
+def get_weather(city: str) -> str:
+    \"\"\"The weather in a city.\"\"\"
+    return "sunny, 21 C"
+
+
+llm = LLM(model="openai/" + model, base_url=base + "/v1", api_key="unused", stream=streamed,
+          **({} if with_tool else {"max_tokens": 16, "temperature": 0}))
+agent = Agent(role="Helper", goal="Answer the question", backstory="A helpful assistant.", llm=llm,
+              tools=[get_weather] if with_tool else [], max_iter=3, verbose=False)
+task = Task(description="What is the weather in Paris?" if with_tool else "Say hello in five words.",
+            expected_output="A short answer.", agent=agent)
+print("RESULT:", Crew(agents=[agent], tasks=[task]).kickoff().raw)
+"""
+
+
+def crewai_checks(demo: str, scripted: str) -> dict:
+    python = "/tmp/crewai-venv/bin/python"  # CrewAI pins openai<3 and an older pydantic: a venv apart
+
+    def run(base: str, name: str, with_tool: bool, streamed: bool = False) -> str:
+        home = Path(tempfile.mkdtemp(prefix="crewai-home-"))
+        done = run_cli([python, "-c", CREW_SCRIPT, base, name, "tool" if with_tool else "plain",
+                        "stream" if streamed else "no stream"],
+                       {"HOME": str(home), "CREWAI_DISABLE_TELEMETRY": "true", "OTEL_SDK_DISABLED": "true",
+                        "CREWAI_TRACING_ENABLED": "false"}, cwd=home, timeout=600)
+        out = done.stdout.rpartition("RESULT:")[2].strip()
+        expect(done.returncode == 0 and out and (TOOL_RESULT in out or not with_tool),
+               (done.returncode, done.stdout[-400:], done.stderr[-400:]))
+        return out
+
+    checks = {"LLM(openai/...) Crew kickoff": lambda: run(demo, DEMO, False),
+              "LLM(openai/...) Crew kickoff, stream": lambda: run(demo, DEMO, False, True),
+              "LLM(openai/...) Crew kickoff with a tool": lambda: run(scripted, SCRIPTED, True)}
+    return checks if Path(python).exists() else {}
+
+
 LIBRARIES = {"litellm": litellm_checks, "langchain-openai": langchain_openai_checks,
              "langchain-ollama": langchain_ollama_checks, "ollama": ollama_checks, "llm": llm_checks,
              "aider": aider_checks, "pydantic-ai": pydantic_ai_checks, "instructor": instructor_checks,
              "llama-index": llama_index_checks, "dspy": dspy_checks, "smolagents": smolagents_checks,
-             "openai-agents": openai_agents_checks}
+             "openai-agents": openai_agents_checks,
+             "haystack": haystack_checks, "autogen": autogen_checks,
+             "semantic-kernel": semantic_kernel_checks, "langgraph": langgraph_checks,
+             "shell-gpt": shell_gpt_checks, "gptme": gptme_checks,
+             "crewai": crewai_checks}
 
 
 def run_check(check, urls: list[str], expect_4xx: bool = False) -> dict:
