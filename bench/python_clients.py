@@ -730,15 +730,18 @@ def haystack_checks(demo: str, scripted: str) -> dict:
         out = plain(streaming_callback=lambda chunk: pieces.append(chunk.content))
         return expect(bool("".join(pieces)) and "".join(pieces) == out, (pieces, out))
 
-    def round_trip(streamed: bool):
+    def tool_round_trip(gen):
         # Haystack 3 has no ToolInvoker: the reply's calls are run by hand and answered with tool messages
-        kw = {"streaming_callback": lambda chunk: None} if streamed else {}
-        gen = OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1", tools=[weather], **kw)
         reply = gen.run([weather_ask])["replies"][0]
         expect(len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == {"city": "Paris"}, reply)
         results = [ChatMessage.from_tool(weather.invoke(**c.arguments), origin=c) for c in reply.tool_calls]
         second = gen.run([weather_ask, reply, *results])["replies"][0]
         return expect(TOOL_RESULT in (second.text or ""), second)
+
+    def round_trip(streamed: bool):
+        kw = {"streaming_callback": lambda chunk: None} if streamed else {}
+        return tool_round_trip(OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1",
+                                                   tools=[weather], **kw))
 
     def agent():
         gen = OpenAIChatGenerator(api_key=key, model=SCRIPTED, api_base_url=f"{scripted}/v1")
@@ -775,14 +778,6 @@ def haystack_checks(demo: str, scripted: str) -> dict:
         out = ollama_plain(streaming_callback=lambda chunk: pieces.append(chunk.content))
         return expect(bool("".join(pieces)), (pieces, out))
 
-    def ollama_round_trip():
-        gen = OllamaChatGenerator(model=SCRIPTED, url=scripted, tools=[weather])
-        reply = gen.run([weather_ask])["replies"][0]
-        expect(len(reply.tool_calls) == 1 and reply.tool_calls[0].arguments == {"city": "Paris"}, reply)
-        results = [ChatMessage.from_tool(weather.invoke(**c.arguments), origin=c) for c in reply.tool_calls]
-        second = gen.run([weather_ask, reply, *results])["replies"][0]
-        return expect(TOOL_RESULT in (second.text or ""), second)
-
     def ollama_schema():
         out = OllamaChatGenerator(model=SCRIPTED, url=scripted, response_format=PERSON_SCHEMA).run([ask])
         return expect(json.loads(out["replies"][0].text) == PERSON, out)
@@ -794,7 +789,8 @@ def haystack_checks(demo: str, scripted: str) -> dict:
 
     return checks | {"OllamaChatGenerator run": lambda: expect(bool(out := ollama_plain()), out),
                      "OllamaChatGenerator streaming_callback": ollama_streamed,
-                     "OllamaChatGenerator tools round trip": ollama_round_trip,
+                     "OllamaChatGenerator tools round trip":
+                         lambda: tool_round_trip(OllamaChatGenerator(model=SCRIPTED, url=scripted, tools=[weather])),
                      "OllamaChatGenerator response_format json schema": ollama_schema,
                      "OllamaTextEmbedder, OllamaDocumentEmbedder": ollama_embed}
 
