@@ -9,8 +9,10 @@ pipeline (`plan_chat`: tools, reasoning, the model's template) as `/v1/chat/comp
   is `parallel_tool_calls: false`; `thinking` enabled (or adaptive)/disabled is the template's
   `enable_thinking`, and an enabled one's `budget_tokens` chat's `thinking_token_budget`; `output_config`
   is chat's `response_format` (a JSON schema) and `reasoning_effort`.
-- Refused with a 400 that names them: images, documents and other blocks that are not text, Anthropic's
-  server tools (`web_search_...`), and a final assistant turn to continue (prefill).
+- A final assistant turn is a prefill, as in Anthropic's API: the answer continues its text (chat's
+  `continue_final_message`); one that holds no text to continue is a 400.
+- Refused with a 400 that names them: images, documents and other blocks that are not text, and Anthropic's
+  server tools (`web_search_...`).
 """
 
 from __future__ import annotations
@@ -51,15 +53,21 @@ class TranslatedChatRequest(p.ChatCompletionRequest):
 
 def to_chat_request(body: CountTokensRequest) -> p.ChatCompletionRequest:
     """The chat request `body` means; a `MessagesRequest` brings its sampling fields too."""
-    _refuse_prefill(body.messages)
+    _refuse_system_only(body.messages)
+    messages = _system(body.system) + [m for i, turn in enumerate(body.messages) for m in _turn(turn, i)]
+    prefill = body.messages[-1].role == "assistant"
+    if prefill and (messages[-1].tool_calls or not messages[-1].text().strip()):
+        raise InvalidRequestError("a last assistant turn is a prefill: it needs text to continue and no tool_use",
+                                  param=f"messages[{len(body.messages) - 1}].content")
     fields: dict = {
         "model": body.model,
-        "messages": _system(body.system) + [m for i, turn in enumerate(body.messages) for m in _turn(turn, i)],
+        "messages": messages,
         "tools": _tools(body.tools),
         "chat_template_kwargs": _thinking(body),
         "thinking_token_budget": _thinking_budget(body),
         **_tool_choice(body.tool_choice),
         **_output_config(body.output_config),
+        "continue_final_message": prefill,
     }
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -67,13 +75,10 @@ def to_chat_request(body: CountTokensRequest) -> p.ChatCompletionRequest:
     return TranslatedChatRequest(**fields)
 
 
-def _refuse_prefill(messages: list[MessageParam]) -> None:
+def _refuse_system_only(messages: list[MessageParam]) -> None:
     if all(m.role == "system" for m in messages):
         raise InvalidRequestError("messages must hold a user turn (system turns alone ask nothing)",
                                   param="messages")
-    if messages and messages[-1].role == "assistant":
-        raise InvalidRequestError("the last message must be a user turn: continuing an assistant turn (prefill) "
-                                  "is not supported by this server", param=f"messages[{len(messages) - 1}].role")
 
 
 def _system(system: str | list[TextBlock] | None) -> list[p.ChatMessage]:

@@ -198,6 +198,22 @@ ANTHROPIC_HISTORY = ASK + [  # the tool tests' chat HISTORY, as Anthropic's bloc
 ]
 
 
+def test_a_last_assistant_turn_is_a_prefill_the_answer_continues(server, client):
+    """Anthropic's prefill: the prompt ends inside the assistant's started text (no end of its turn), as chat's
+    `continue_final_message`; the answer holds only what follows it."""
+    started = [*HELLO, {"role": "assistant", "content": "I am a"}]
+    counted = client.messages.count_tokens(model=MODEL, messages=started).input_tokens
+    chat = server.openai().chat.completions.create(model=MODEL, messages=started, max_tokens=1,
+                                                   extra_body={"continue_final_message": True})
+    new_turn = server.openai().chat.completions.create(model=MODEL, messages=started, max_tokens=1,
+                                                       extra_body={"continue_final_message": False})
+    assert counted == chat.usage.prompt_tokens < new_turn.usage.prompt_tokens
+    message = client.messages.create(**{**SDK_GREEDY, "messages": started})
+    continued = server.openai().chat.completions.create(**{**GREEDY, "messages": started})
+    assert message.content[0].text == continued.choices[0].message.content
+    assert prompt_tokens(message.usage) == counted
+
+
 def test_tool_history_renders_the_same_prompt_as_the_chat_history_it_means(server, client):
     counted = client.messages.count_tokens(model=MODEL, messages=ANTHROPIC_HISTORY, tools=ANTHROPIC_TOOLS)
     chat = server.openai().chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=1)
@@ -242,7 +258,9 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools", "bash_20250124"),
     ({"tool_choice": {"type": "tool"}, "tools": [WEATHER]}, "tool_choice.name", ""),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "tool_choice", "not among the tools"),
-    ({"messages": [*HELLO, {"role": "assistant", "content": "I am"}]}, "messages[1].role", "prefill"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": " "}]}, "messages[1].content", "prefill"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]}]}, "messages[1].content", "prefill"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}]},
      "messages[0].content[0]", "user turn"),
     ({"stop_sequences": ["x" * 300]}, "stop_sequences", "stop_sequences"),
