@@ -321,6 +321,20 @@ class ChatMessage(OpenAIBaseModel):
         return message
 
 
+def continues_final_message(messages: list[ChatMessage], asked: bool | None) -> bool:
+    """Whether the prompt continues the last message instead of opening a new assistant turn. Unset (`asked`
+    None), it does when that message is an assistant's with text and no tool calls (a partial answer: Open
+    WebUI's "Continue Response" sends one, a prefill), as Ollama and llama.cpp's server do: a new turn after a
+    partial answer repeats or contradicts it. `continue_final_message: false` opens a new turn (vLLM's
+    default)."""
+    last = messages[-1] if messages else None
+    partial = last is not None and last.role == "assistant" and not last.tool_calls and bool(last.text().strip())
+    if asked and not partial:
+        raise InvalidRequestError("continue_final_message needs a last message from the assistant with text "
+                                  "to continue", param="continue_final_message")
+    return partial if asked is None else asked
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
@@ -339,18 +353,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = None  # vLLM's: false goes with continue_final_message
 
     def continues_final_message(self) -> bool:
-        """Whether the answer continues the last message instead of opening a new assistant turn. Unset, it
-        does when that message is an assistant's with text and no tool calls (a partial answer: Open WebUI's
-        "Continue Response" sends one, a prefill), as Ollama and llama.cpp's server do: a new turn after a
-        partial answer repeats or contradicts it. `continue_final_message: false` opens a new turn (vLLM's
-        default)."""
-        last = self.messages[-1] if self.messages else None
-        partial = (last is not None and last.role == "assistant" and not last.tool_calls
-                   and bool(last.text().strip()))
-        if self.continue_final_message and not partial:
-            raise InvalidRequestError("continue_final_message needs a last message from the assistant with text "
-                                      "to continue", param="continue_final_message")
-        return partial if self.continue_final_message is None else self.continue_final_message
+        return continues_final_message(self.messages, self.continue_final_message)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The template's extra variables: `chat_template_kwargs`, and `reasoning_effort` unless they set it."""
@@ -604,6 +607,7 @@ class TokenizeRequest(OpenAIBaseModel):
     content: str | None = None
     add_special: bool = False
     with_pieces: bool = False
+    continue_final_message: bool | None = None  # with `messages`, as a chat request reads them
 
 
 class TokenizeResponse(ResponseModel):

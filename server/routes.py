@@ -112,7 +112,9 @@ async def tokenize(body: p.TokenizeRequest, raw: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("send either `prompt` or `messages`", param="prompt")
     if body.messages is not None:
-        tokens = await run_in_threadpool(engine.apply_chat_template, [m.to_engine() for m in body.messages])
+        continued = p.continues_final_message(body.messages, body.continue_final_message)
+        tokens = await run_in_threadpool(lambda: engine.apply_chat_template([m.to_engine() for m in body.messages],
+                                                                            continue_final=continued))
     else:
         tokens = await run_in_threadpool(engine.encode, body.prompt)
     response = p.TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)

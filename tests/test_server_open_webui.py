@@ -55,6 +55,15 @@ def test_continue_response_continues_the_partial_answer(http, tokenizer):
     assert rendered(tokenizer, body["messages"], continued=True) < rendered(tokenizer, body["messages"], False)
 
 
+def test_tokenize_counts_the_messages_as_the_chat_reads_them(http, tokenizer):
+    messages = recorded("continue_response")["messages"]
+    for continued in (True, False):
+        body = {"model": MODEL, "messages": messages, "continue_final_message": None if continued else False}
+        answer = http.post("/tokenize", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["count"] == rendered(tokenizer, messages, continued=continued)
+
+
 def test_continue_final_message_false_opens_a_new_turn(http, tokenizer):
     body = recorded("continue_response", continue_final_message=False)  # vLLM's default, asked for
     assert prompt_tokens(http, body) == rendered(tokenizer, body["messages"], continued=False)
