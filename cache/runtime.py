@@ -29,6 +29,7 @@ class ExpertRuntime:
         self.num_experts = num_experts
         self.top_k = top_k
         self.phase: Phase = "prefill"
+        self.live_tokens: torch.Tensor | None = None  # [T'] a padded batch's real positions (flattened); None: all
         self.recorder = None  # cache.trace.TraceWriter when --record-trace is set
         self.prefetcher = None  # cache.prefetcher.Prefetcher when prefetch is on
         self.planner = None  # cache.miss_planner.MissPlanner when misses may be computed on the host

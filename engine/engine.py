@@ -500,15 +500,20 @@ class Engine:
 
     def _pooled_batch(self, inputs: list[list[int]], pooling: Pooling) -> torch.Tensor:
         """[N, H]: several inputs in one pass, padded on the right. The attention is causal, so no real position
-        sees a pad and each input's states are its own; pad positions' states are dropped (they are routed like
-        any token, so a recorded trace's prefill counts them too)."""
+        sees a pad and each input's states are its own; pad positions' states are dropped, and the offloaded
+        experts skip them (`ExpertRuntime.live_tokens`): a pad loads no expert and is not in a recorded trace."""
         lengths = torch.tensor([len(ids) for ids in inputs])  # [N]
         input_ids = torch.zeros(len(inputs), int(lengths.max()), dtype=torch.long)  # [N, W], built on the host
         for row, ids in enumerate(inputs):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)  # one copy each
-        mask = torch.arange(input_ids.shape[1], device=self.device)[None] < lengths[:, None]  # [N, W]
-        out = self.model.base_model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False)
+        mask = torch.arange(input_ids.shape[1])[None] < lengths[:, None]  # [N, W]
+        live = mask.flatten().nonzero()[:, 0]  # [sum(lengths)]
+        input_ids, lengths, mask, live = (t.to(self.device) for t in (input_ids, lengths, mask, live))
+        self.runtime.live_tokens = live
+        try:
+            out = self.model.base_model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False)
+        finally:
+            self.runtime.live_tokens = None
         hidden = out.last_hidden_state.float()  # [N, W, H]
         if pooling == "mean":
             return (hidden * mask[..., None]).sum(1) / lengths[:, None]

@@ -74,6 +74,14 @@ class OffloadedExperts:
         self.module.forward = self.forward
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        live = self.runtime.live_tokens
+        if live is None or len(live) == len(hidden):
+            return self._forward(hidden, top_k_index, top_k_weights)
+        # the pads of a batch: their outputs are dropped, so their experts are neither loaded, computed nor recorded
+        out = torch.zeros_like(hidden)  # [T, H]
+        return out.index_copy_(0, live, self._forward(hidden[live], top_k_index[live], top_k_weights[live]))
+
+    def _forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index, hidden)
         out = torch.zeros_like(hidden)  # [T, H]
         by_expert = tokens_by_expert(rows, hidden.device) if len(rows) > 1 else {}

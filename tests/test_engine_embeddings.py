@@ -110,6 +110,24 @@ def test_several_inputs_in_one_pass_pool_each_as_alone(family_engine, pooling):
     assert event.usage.prompt_tokens == sum(map(len, inputs))
 
 
+def test_the_pads_of_a_batch_are_not_routed(family_engine, monkeypatch):
+    """A pad's output is dropped: the offloaded experts neither load, compute nor record it."""
+    engine, _ = family_engine
+    inputs = [engine.encode(TEXT), engine.encode("Hello.")]
+    routed_tokens = []
+    on_routing = engine.runtime.on_routing
+
+    def counting(layer, top_k_index, hidden=None):
+        routed_tokens.append(top_k_index.shape[0])
+        return on_routing(layer, top_k_index, hidden)
+
+    monkeypatch.setattr(engine.runtime, "on_routing", counting)
+    list(engine.generate(GenerationRequest("b", inputs[0], pooling="mean", more_inputs=(inputs[1],))))
+    assert len(routed_tokens) == engine.runtime.num_layers
+    assert set(routed_tokens) == {sum(map(len, inputs))}  # not 2 × the longer input
+    assert engine.runtime.live_tokens is None
+
+
 def test_each_input_of_a_batch_is_validated(family_engine):
     engine, _ = family_engine
     ids = engine.encode(TEXT)
