@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -77,9 +76,9 @@ def check_inputs(inputs: Sequence[str | list[int]], param: str) -> None:
                                       param=param)
 
 
-def check_token_ids(inputs: Sequence[str | list[int]], vocab_size: int, param: str) -> None:
+def check_token_ids(inputs: Sequence[str | list[int | str]], vocab_size: int, param: str) -> None:
     for index, item in enumerate(inputs):
-        if isinstance(item, list) and any(not 0 <= t < vocab_size for t in item):
+        if isinstance(item, list) and any(isinstance(t, int) and not 0 <= t < vocab_size for t in item):
             raise InvalidRequestError(f"{_named(param, index, inputs)}: token ids must be in [0, {vocab_size})",
                                       param=param)
 
@@ -97,7 +96,17 @@ def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
 
 def unit_vector(vector: Sequence[float], dimensions: int | None = None) -> list[float]:
     """The first `dimensions` components (all when None), L2-normalized."""
-    return F.normalize(torch.tensor(vector[:dimensions], dtype=torch.float32), dim=0).tolist()
+    return normalized(vector[:dimensions], 2)
+
+
+def normalized(vector: Sequence[float], norm: int) -> list[float]:
+    """llama.cpp's `embd_normalize`: -1 as is, 0 scaled so its largest component is ±32760 (int16's range), p ≥ 1
+    divided by its p-norm (1 taxicab, 2 Euclidean). A zero vector stays zero."""
+    v = torch.tensor(vector, dtype=torch.float32)
+    if norm < 0:
+        return v.tolist()
+    scale = v.abs().max() / 32760 if norm == 0 else torch.linalg.vector_norm(v, ord=norm)
+    return (v / scale if scale > 0 else v).tolist()
 
 
 def base64_floats(vector: Sequence[float]) -> str:

@@ -1,6 +1,6 @@
 """llama.cpp's own server API's wire types: `/completion` (a prompt used as given), `/infill` (the request
 editor plugins such as llama.vim and llama.vscode send), the `/completion`-shaped answer both give (`content`,
-`timings`, `tokens_cached`, `truncated`), `/tokenize`'s pieces and `/props`.
+`timings`, `tokens_cached`, `truncated`), `/tokenize`'s pieces, `/props` and `/embedding`.
 
 The requests take `/completion`'s common sampling fields under llama.cpp's names (`n_predict`,
 `repeat_penalty`, `seed` -1 for a random one). Fields llama.cpp has and this server does not honour
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
 
 from engine.api import InvalidRequestError, SamplingParams, TokenLogprob, TopLogprob
 from engine.fim import ExtraFiles
@@ -224,6 +224,42 @@ class TokenizeResponse(p.ResponseModel):
 
 class DetokenizeResponse(p.DetokenizeResponse):
     content: str  # llama.cpp's name for vLLM's `prompt` (the same text)
+
+
+Prompt = str | list[int | str]  # a text, token ids, or texts and ids joined
+
+
+class EmbeddingRequest(p.OpenAIBaseModel):
+    """`POST /embedding` (and `/embeddings`): `input` (or `content`) is one prompt or several, as llama.cpp reads
+    them: a list of texts, or of lists, is several; a list of ids (texts among them or not) is one."""
+
+    model: str | None = None
+    input: Prompt | list[Prompt] | None = None
+    content: Prompt | list[Prompt] | None = None
+    embd_normalize: int = 2  # -1 none, 0 max absolute (int16 range), 1 taxicab, 2 Euclidean, p > 2 p-norm
+
+    def prompts(self) -> list[Prompt]:
+        given = self.input if self.input is not None else self.content
+        if given is None:
+            raise InvalidRequestError('"input" or "content" must be provided', param="content")
+        if isinstance(given, str):
+            return [given]
+        if any(isinstance(item, int) for item in given) and not any(isinstance(item, list) for item in given):
+            return [given]
+        return list(given)
+
+    @property
+    def prompt_param(self) -> str:
+        return "input" if self.input is not None else "content"
+
+
+class EmbeddingResult(p.ResponseModel):
+    index: int
+    embedding: list[list[float]]  # one pooled vector (llama.cpp lists a vector per token without pooling)
+
+
+class EmbeddingResults(RootModel[list[EmbeddingResult]]):
+    """`/embedding`'s answer: a bare list, one result per prompt, in order."""
 
 
 class SlotParams(p.ResponseModel):

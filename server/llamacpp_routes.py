@@ -1,6 +1,6 @@
 """llama.cpp's own server API, for the clients made for it: `POST /completion` (and its alias `/completions`;
 SillyTavern's and other front ends' llama.cpp backend, scripts), `POST /infill` (the editor plugins llama.vim
-and llama.vscode), `GET /props`, and the llama.cpp shapes of `/tokenize` and `/detokenize` (their routes are
+and llama.vscode), `GET /props`, `POST /embedding` (and `/embeddings`), and the llama.cpp shapes of `/tokenize` and `/detokenize` (their routes are
 vLLM's, in server/routes.py). `/completion` uses the prompt as given, tokenized as `/v1/completions` does;
 `/infill` goes through the fill-in-the-middle pipeline `/v1/completions` with `suffix` uses. Both answer in
 `/completion`'s shape (streamed: `data:` events, the last with `stop: true` and the totals; no `[DONE]`, as
@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.api import GenerationEvent, GenerationRequest, SamplingParams, Usage
 from server import VERSION
+from server import embeddings as emb
 from server import llamacpp_protocol as lp
 from server import protocol as p
 from server.json_body import StrictJSONRoute
@@ -74,6 +75,23 @@ def prompt_token_ids(engine, prompt: str | list[int | str]) -> list[int]:
     for i, piece in enumerate(prompt):
         ids.extend(engine.encode(piece, add_special_tokens=i == 0) if isinstance(piece, str) else [piece])
     return ids
+
+
+@router.post("/embedding")
+@router.post("/embeddings")  # llama.cpp's alias (OpenAI's shape is /v1/embeddings)
+async def embedding(body: lp.EmbeddingRequest, raw: Request) -> Response:
+    accept(body)
+    engine = ready_engine(raw, body.model)
+    prompts, param = body.prompts(), body.prompt_param
+    emb.check_inputs(prompts, param)
+    emb.check_token_ids(prompts, engine.vocab_size, param)
+    inputs = [await run_in_threadpool(prompt_token_ids, engine, prompt) for prompt in prompts]
+
+    def results(vectors: emb.Vectors, tokens: int) -> lp.EmbeddingResults:
+        return lp.EmbeddingResults([lp.EmbeddingResult(index=index, embedding=[emb.normalized(v, body.embd_normalize)])
+                                    for index, v in enumerate(vectors)])
+
+    return await emb.run_embeddings(raw, serving(raw), inputs, results, prompt_param=param)
 
 
 @router.get("/props")

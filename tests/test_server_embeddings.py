@@ -234,3 +234,63 @@ def test_a_document_embedded_one_chunk_per_request_all_at_once_is_served(server)
     assert [a.status_code for a in answers] == [200] * len(chunks), {a.status_code for a in answers}
     vectors = [tuple(a.json()["data"][0]["embedding"]) for a in answers]
     assert len(set(vectors)) == len(chunks)  # each its own chunk's
+
+
+def llama_embedding(http: httpx.Client, path: str = "/embedding", **body) -> list:
+    answer = http.post(path, json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_llama_cpp_embedding_answers_a_list_of_pooled_vectors(http, reference):
+    """llama.cpp's `/embedding`: a bare list, one `{"index", "embedding": [[vector]]}` per prompt, L2-normalized
+    by default; `/embeddings` and `input` are the same as `/embedding` and `content`."""
+    one = llama_embedding(http, content=TEXTS[0])
+    assert [sorted(item) for item in one] == [["embedding", "index"]] and one[0]["index"] == 0
+    (vector,) = one[0]["embedding"]
+    close(vector, unit(pooled(reference, text_ids(reference, TEXTS[0]))))
+    several = llama_embedding(http, "/embeddings", input=TEXTS)
+    assert [item["index"] for item in several] == [0, 1, 2]
+    for text, item in zip(TEXTS, several, strict=True):
+        close(item["embedding"][0], unit(pooled(reference, text_ids(reference, text))))
+
+
+def test_llama_cpp_prompts_of_ids_and_texts(http, reference):
+    """A list of ids, texts among them or not, is one prompt (the texts tokenized in place); a list of lists is
+    several."""
+    ids = text_ids(reference, TEXTS[0])
+    by_text = torch.tensor(llama_embedding(http, content=TEXTS[0])[0]["embedding"][0])
+    close(llama_embedding(http, content=ids)[0]["embedding"][0], by_text)
+    mixed = llama_embedding(http, content=[*ids, TEXTS[1]])
+    assert len(mixed) == 1
+    close(mixed[0]["embedding"][0], unit(pooled(reference, ids + text_ids(reference, TEXTS[1]))))
+    two = llama_embedding(http, content=[ids, TEXTS[0]])
+    assert len(two) == 2
+    close(two[0]["embedding"][0], by_text)
+    close(two[1]["embedding"][0], by_text)
+
+
+@pytest.mark.parametrize("norm", [-1, 0, 1, 2, 3])
+def test_llama_cpp_embd_normalize(http, reference, norm):
+    raw = pooled(reference, text_ids(reference, TEXTS[2]))
+    expected = {-1: raw, 0: raw * 32760 / raw.abs().max(), 1: raw / raw.abs().sum(), 2: unit(raw),
+                3: raw / raw.abs().pow(3).sum().pow(1 / 3)}[norm]
+    (item,) = llama_embedding(http, content=TEXTS[2], embd_normalize=norm)
+    got = torch.tensor(item["embedding"][0])
+    torch.testing.assert_close(got, expected, atol=TOLERANCE * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({}, "content", '"input" or "content" must be provided'),
+    ({"content": ""}, "content", "empty"),
+    ({"input": []}, "input", "empty list"),
+    ({"content": ["ok", ""]}, "content", "content[1] is empty"),
+    ({"content": [1, 2, 10**9]}, "content", "token ids must be in"),
+    ({"content": [[1, 2], [3, "x", -1]]}, "content", "content[1]: token ids must be in"),
+    ({"content": "x", "embd_normalize": "2"}, "embd_normalize", ""),
+])
+def test_llama_cpp_bad_input_is_a_400_naming_the_field(http, body, param, words):
+    answer = http.post("/embedding", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
