@@ -137,6 +137,7 @@ def create_app(
     exits); without it the server stays up and answers 503 with the reason."""
     from engine.client import EngineClient
     from server import anthropic_routes, llamacpp_routes, ollama_routes, responses_routes, routes
+    from server.embeddings import EmbeddingGroups
 
     load = load_engine or (lambda: _load_engine(engine_config))
 
@@ -145,6 +146,7 @@ def create_app(
         client = EngineClient(load, max_queue=server_config.max_queue)
         app.state.client = client
         app.state.serving = Serving(client, metrics, server_config.drain_timeout)
+        app.state.embedding_groups = EmbeddingGroups(app.state.serving)
         watcher = asyncio.ensure_future(_report_load_failure(client, on_load_failure))
         yield
         watcher.cancel()

@@ -2,29 +2,32 @@
 `/api/embeddings` (server/ollama_routes.py).
 
 An engine request with `pooling` (the server's `--pooling`) computes its inputs and pools the model's last
-hidden states of each into one vector [H]. A request's inputs go in batches of similar length, one engine request
-each, run one after another under one ticket as a batch of completion prompts is (a streamed chat goes first
-between two of them).
+hidden states of each into one vector [H]. The inputs of the requests waiting together (`EmbeddingGroups`) go in
+batches of similar length, one engine request each, run one after another under one ticket as a batch of
+completion prompts is (a streamed chat goes first between two of them).
 OpenAI's vectors and Ollama's `/api/embed`'s are L2-normalized; `dimensions` keeps the first N components
 and normalizes again, as Ollama does (a model not trained for shorter vectors loses information so).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from engine.api import GenerationRequest, InvalidRequestError, embedding_batches
+from engine.api import GenerationRequest, InvalidRequestError, Pooling, embedding_batches
+from server.metrics import ABORTED, OK
 from server.protocol import OpenAIBaseModel, ResponseModel, random_id
-from server.serving import Outcome, Serving
+from server.scheduling import Ticket
+from server.serving import CLIENT_CLOSED_STATUS, Outcome, Serving, wait_for_disconnect
 
 MAX_INPUTS = 2048  # per request, OpenAI's limit (LangChain sends up to 1,000 chunks at once)
 
@@ -119,11 +122,8 @@ Vectors = list[tuple[float, ...]]  # [N, H], in the order of the request's input
 
 @dataclass(frozen=True)
 class EmbeddingFormat:
-    """What `Serving.run` needs to collect a request's vectors (never streamed): `build` makes the response
-    from the vectors in input order and the prompt tokens they took."""
+    """What `Serving` needs to run embedding passes (never streamed)."""
 
-    build: Callable[[Vectors, int], BaseModel]
-    order: list[int]  # the input each vector the engine requests return stands for, in turn
     prompt_param: str = "input"  # the request field errors about an input name
 
     def choice(self, index: int) -> EmbeddingFormat:
@@ -132,26 +132,131 @@ class EmbeddingFormat:
     def outcome(self) -> Outcome:
         return Outcome()
 
-    def response(self, outcomes: list[Outcome]) -> BaseModel:
-        vectors: Vectors = [()] * len(self.order)
-        for index, vector in zip(self.order, (v for outcome in outcomes for v in outcome.embeddings), strict=True):
+
+@dataclass(eq=False)
+class _Member:
+    """One HTTP request's inputs in a group; `done` gets their vectors and prompt tokens."""
+
+    inputs: list[list[int]]
+    done: asyncio.Future
+
+
+@dataclass(eq=False)
+class _Group:
+    members: list[_Member] = field(default_factory=list)
+    inputs: int = 0
+
+
+class EmbeddingGroups:
+    """Embedding requests that arrive while the engine is busy wait for its next turn together, and their inputs
+    go through it as one request's would: grouped by length into padded passes (`embedding_batches`), so each
+    expert is read once per pass and not once per input. Open WebUI sends one request per document chunk, all at
+    once; clients with a batch size send several at a time. A request on an idle engine goes at once, alone.
+
+    A group holds one scheduler ticket: between two of its passes a streamed chat goes first, and the group is
+    preempted by one as any non-streamed request. A request whose client leaves is dropped from its group
+    (answered 499); the group stops before its next pass once none of its requests is left."""
+
+    def __init__(self, serving: Serving, max_inputs: int = MAX_INPUTS) -> None:
+        self.serving, self.max_inputs = serving, max_inputs
+        self._open: _Group | None = None  # the group waiting for its turn, which later requests join
+        self._running: set[asyncio.Task] = set()  # the event loop keeps only weak references to tasks
+
+    async def run(self, raw: Request, inputs: list[list[int]], build: Callable[[Vectors, int], BaseModel],
+                  prompt_param: str = "input") -> Response:
+        """Each input's pooled vector (the inputs' token ids), collected by `build` with the prompt tokens."""
+        fmt, pooling = EmbeddingFormat(prompt_param), raw.app.state.pooling
+        self.serving.validate(fmt, [GenerationRequest("check", ids, pooling=pooling) for ids in inputs])
+        timer = self.serving.metrics.track()  # errors raised from here are counted by the error handlers
+        member = _Member(inputs, asyncio.get_running_loop().create_future())
+        self._join(member, fmt, pooling)
+        gone = asyncio.ensure_future(wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({member.done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not member.done.done():  # the client left: its inputs are dropped unless their pass has begun
+            member.done.cancel()
+            timer.done(ABORTED)
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        vectors, tokens = member.done.result()
+        timer.done(OK)
+        return JSONResponse(build(vectors, tokens).model_dump(exclude_unset=True))
+
+    def _join(self, member: _Member, fmt: EmbeddingFormat, pooling: Pooling) -> None:
+        group = self._open
+        if group is None or group.inputs + len(member.inputs) > self.max_inputs:
+            group = self._open = _Group()
+            task = asyncio.ensure_future(self._run_group(group, fmt, pooling))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+        group.members.append(member)
+        group.inputs += len(member.inputs)
+
+    async def _run_group(self, group: _Group, fmt: EmbeddingFormat, pooling: Pooling) -> None:
+        try:
+            ticket = await self.serving.scheduler.acquire(streams=False)
+        except Exception as e:  # the queue is full
+            self._close(group)
+            _fail(group.members, e)
+            return
+        try:
+            self._close(group)
+            members = [m for m in group.members if not m.done.done()]
+            inputs = [ids for m in members for ids in m.inputs]
+            if inputs:
+                vectors = await self._vectors(inputs, fmt, pooling, ticket, lambda: _waiting(members))
+                _deliver(members, vectors)
+        except Exception as e:
+            _fail(group.members, e)
+        finally:
+            self.serving.scheduler.release(ticket)
+
+    def _close(self, group: _Group) -> None:
+        if self._open is group:
+            self._open = None
+
+    async def _vectors(self, inputs: list[list[int]], fmt: EmbeddingFormat, pooling: Pooling, ticket: Ticket,
+                       wanted: Callable[[], bool]) -> Vectors | None:
+        """The inputs' vectors in their order, computed in padded passes under `ticket`."""
+        request_id = random_id("embd")
+        batches = embedding_batches([len(ids) for ids in inputs])
+        requests = [GenerationRequest(request_id, inputs[first], pooling=pooling,
+                                      more_inputs=tuple(inputs[index] for index in rest))
+                    for first, *rest in batches]
+        outcomes = await self.serving.run_in_turn(requests, fmt, ticket, wanted)
+        if outcomes is None:
+            return None
+        vectors: Vectors = [()] * len(inputs)
+        order = (index for batch in batches for index in batch)
+        for index, vector in zip(order, (v for outcome in outcomes for v in outcome.embeddings), strict=True):
             vectors[index] = vector
-        return self.build(vectors, sum(outcome.usage.prompt_tokens for outcome in outcomes))
+        return vectors
 
 
-async def run_embeddings(raw: Request, serving: Serving, inputs: list[list[int]],
-                         build: Callable[[Vectors, int], BaseModel], prompt_param: str = "input") -> Response:
-    """Each input's pooled vector (the inputs' token ids), collected by `build`. Inputs of similar length go
-    to the engine together (`embedding_batches`); a streamed chat goes first between two such batches."""
-    request_id, pooling = random_id("embd"), raw.app.state.pooling
-    alone = [GenerationRequest(request_id, ids, pooling=pooling) for ids in inputs]
-    batches = embedding_batches([len(ids) for ids in inputs])
-    fmt = EmbeddingFormat(build, [index for batch in batches for index in batch], prompt_param)
-    serving.validate(fmt, alone)  # a refused input is named by its own index, not its batch's
-    requests = [GenerationRequest(request_id, inputs[first], pooling=pooling,
-                                  more_inputs=tuple(inputs[index] for index in rest))
-                for first, *rest in batches]
-    return await serving.run(raw, fmt, requests if len(requests) > 1 else requests[0], stream=False)
+async def run_embeddings(raw: Request, inputs: list[list[int]], build: Callable[[Vectors, int], BaseModel],
+                         prompt_param: str = "input") -> Response:
+    """Each input's pooled vector (the inputs' token ids), collected by `build`; see `EmbeddingGroups`."""
+    return await raw.app.state.embedding_groups.run(raw, inputs, build, prompt_param)
+
+
+def _waiting(members: list[_Member]) -> bool:
+    return any(not m.done.done() for m in members)
+
+
+def _deliver(members: list[_Member], vectors: Vectors | None) -> None:
+    start = 0
+    for member in members:
+        end = start + len(member.inputs)
+        if vectors is not None and not member.done.done():
+            member.done.set_result((vectors[start:end], sum(map(len, member.inputs))))
+        start = end
+
+
+def _fail(members: list[_Member], error: Exception) -> None:
+    for member in members:
+        if not member.done.done():
+            member.done.set_exception(error)
 
 
 def openai_response(body: EmbeddingRequest, model: str) -> Callable[[Vectors, int], EmbeddingResponse]:

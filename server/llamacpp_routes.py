@@ -91,7 +91,7 @@ async def embedding(body: lp.EmbeddingRequest, raw: Request) -> Response:
         return lp.EmbeddingResults([lp.EmbeddingResult(index=index, embedding=[emb.normalized(v, body.embd_normalize)])
                                     for index, v in enumerate(vectors)])
 
-    return await emb.run_embeddings(raw, serving(raw), inputs, results, prompt_param=param)
+    return await emb.run_embeddings(raw, inputs, results, prompt_param=param)
 
 
 @router.get("/props")

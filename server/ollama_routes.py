@@ -112,7 +112,7 @@ async def ollama_embed(body: ollama.EmbedRequest, raw: Request) -> Response:
             model=body.model, embeddings=[emb.unit_vector(vector, body.dimensions) for vector in vectors],
             total_duration=time.monotonic_ns() - started, prompt_eval_count=tokens)
 
-    return await emb.run_embeddings(raw, serving(raw), inputs, reply)
+    return await emb.run_embeddings(raw, inputs, reply)
 
 
 @router.post("/api/embeddings")
@@ -125,7 +125,7 @@ async def ollama_embeddings(body: ollama.EmbeddingsRequest, raw: Request) -> Res
     def reply(vectors: emb.Vectors, tokens: int) -> ollama.EmbeddingsReply:
         return ollama.EmbeddingsReply(embedding=list(vectors[0]))
 
-    return await emb.run_embeddings(raw, serving(raw), [ids], reply, prompt_param="prompt")
+    return await emb.run_embeddings(raw, [ids], reply, prompt_param="prompt")
 
 
 async def _model_facts(raw: Request, engine) -> ModelFacts:

@@ -71,7 +71,7 @@ async def create_embeddings(body: emb.EmbeddingRequest, raw: Request) -> Respons
     emb.check_token_ids(given, engine.vocab_size, "input")
     inputs = [await prompt_token_ids(engine, item) for item in given]
     build = emb.openai_response(body, model_name(engine, body.model))
-    return await emb.run_embeddings(raw, serving(raw), inputs, build)
+    return await emb.run_embeddings(raw, inputs, build)
 
 
 async def prompt_token_ids(engine, prompt: str | list[int]) -> list[int]:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
@@ -594,7 +594,7 @@ class Serving:
 
     async def _complete(self, raw: Request, choices: Choices, fmt: Format, timer, ticket: Ticket) -> Response:
         collect = asyncio.ensure_future(self._collect_all(choices, fmt, timer, ticket))
-        gone = asyncio.ensure_future(_wait_for_disconnect(raw))
+        gone = asyncio.ensure_future(wait_for_disconnect(raw))
         stopper = asyncio.ensure_future(self._abort_after_drain(choices))  # ends `collect` with "abort"
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -614,6 +614,27 @@ class Serving:
             _check_finished(outcome, self.shutting_down)
         timer.done(OK)
         return JSONResponse(fmt.response(outcomes).model_dump(exclude_unset=True))
+
+    async def run_in_turn(self, requests: list[GenerationRequest], fmt: Format, ticket: Ticket,
+                          wanted: Callable[[], bool]) -> list[Outcome] | None:
+        """Requests that hold `ticket` (granted), run one after another for callers that watch their clients
+        themselves (`server.embeddings.EmbeddingGroups`): a stream preempts them as any non-streamed request, the
+        drain ends them (503), and none starts once nobody `wanted` them (None then)."""
+        choices = Choices(requests, await self._submit(requests[0], fmt))
+        stopper = asyncio.ensure_future(self._abort_after_drain(choices))
+        timer = self.metrics.track()  # only observes events: each HTTP request behind them is counted by its caller
+        try:
+            outcomes = []
+            for index in range(len(requests)):
+                if index > 0 and not wanted():
+                    return None
+                await self._start_choice(choices, index, fmt, ticket)
+                outcomes.append(await self._collect_in_turn(choices, fmt.choice(index), timer, ticket))
+                _check_finished(outcomes[-1], self.shutting_down)
+            return outcomes
+        finally:
+            stopper.cancel()
+            await choices.current.close()
 
     async def _collect_all(self, choices: Choices, fmt: Format, timer, ticket: Ticket) -> list[Outcome]:
         """Each choice's outcome, up to the first that did not finish (aborted: answered 503)."""
@@ -659,6 +680,6 @@ def _prompt_errors(fmt: Format, batch_index: int | None = None) -> Iterator[None
                                   code=error.code) from None
 
 
-async def _wait_for_disconnect(raw: Request) -> None:
+async def wait_for_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
