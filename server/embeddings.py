@@ -106,10 +106,12 @@ def normalized(vector: Sequence[float], norm: int) -> list[float]:
     """llama.cpp's `embd_normalize`: -1 as is, 0 scaled so its largest component is ±32760 (int16's range), p ≥ 1
     divided by its p-norm (1 taxicab, 2 Euclidean). A zero vector stays zero."""
     v = torch.tensor(vector, dtype=torch.float32)
-    if norm < 0:
+    if norm < 0 or not v.any():
         return v.tolist()
-    scale = v.abs().max() / 32760 if norm == 0 else torch.linalg.vector_norm(v, ord=norm)
-    return (v / scale if scale > 0 else v).tolist()
+    largest = v.abs().max()
+    # the p-norm of v / largest (in [1, n^(1/p)]) cannot overflow for a large p, as v's own p-th powers do
+    scale = largest / 32760 if norm == 0 else largest * torch.linalg.vector_norm(v / largest, ord=norm)
+    return (v / scale).tolist()
 
 
 def base64_floats(vector: Sequence[float]) -> str:

@@ -270,11 +270,12 @@ def test_llama_cpp_prompts_of_ids_and_texts(http, reference):
     close(two[1]["embedding"][0], by_text)
 
 
-@pytest.mark.parametrize("norm", [-1, 0, 1, 2, 3])
+@pytest.mark.parametrize("norm", [-1, 0, 1, 2, 3, 5000])
 def test_llama_cpp_embd_normalize(http, reference, norm):
     raw = pooled(reference, text_ids(reference, TEXTS[2]))
     expected = {-1: raw, 0: raw * 32760 / raw.abs().max(), 1: raw / raw.abs().sum(), 2: unit(raw),
-                3: raw / raw.abs().pow(3).sum().pow(1 / 3)}[norm]
+                3: raw / raw.abs().pow(3).sum().pow(1 / 3),
+                5000: raw / raw.abs().max()}[norm]  # a large p: the p-norm tends to the largest component
     (item,) = llama_embedding(http, content=TEXTS[2], embd_normalize=norm)
     got = torch.tensor(item["embedding"][0])
     torch.testing.assert_close(got, expected, atol=TOLERANCE * expected.abs().max().item(), rtol=0)
