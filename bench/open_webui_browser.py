@@ -250,10 +250,14 @@ def make_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: lis
     return Proxy
 
 
+class ProxyServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # Open WebUI opens one connection per document chunk, all at once (the default is 5)
+
+
 def start_proxy(upstream_port: int, records: list[dict[str, Any]], in_flight: list[int],
                 body_log: Path | None = None) -> ThreadingHTTPServer:
     handler = make_proxy(upstream_port, records, in_flight, body_log)
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    server = ProxyServer(("127.0.0.1", free_port()), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
