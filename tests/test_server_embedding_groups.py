@@ -22,23 +22,32 @@ class EmbeddingEngine(ScriptedEngine):
     """Embeds each input as [its length, its first id, its last id]; holds its first request until `release`."""
 
     hidden_size = 3
-    max_model_len = 512
+    max_model_len = 4096
 
-    def __init__(self, fail_after: int | None = None) -> None:
+    def __init__(self, fail_after: int | None = None, held: int = 1) -> None:
         super().__init__(fail=False)
-        self.passes: list[list[list[int]]] = []  # each engine request's inputs
+        self.passes: list[list[list[int]] | str] = []  # each engine request's inputs ("chat" for a chat)
         self.busy, self.release = threading.Event(), threading.Event()
         self.fail_after = fail_after
+        self.held = [(threading.Event(), threading.Event()) for _ in range(held)]  # (running, release) of passes 1..
 
     def encode(self, text: str) -> list[int]:
         return [int(word) for word in text.split()]
 
     def generate(self, request: GenerationRequest, should_abort: Callable[[], bool]) -> Iterator[GenerationEvent]:
+        if request.pooling is None:
+            self.passes.append("chat")
+            yield from super().generate(request, should_abort)
+            return
         inputs = list(request.inputs)
         self.passes.append(inputs)
         if len(self.passes) == 1:
             self.busy.set()
             assert self.release.wait(WAIT_S)
+        if 1 < len(self.passes) <= len(self.held):  # as the real engine, an embedding pass is not cut short
+            running, release = self.held[len(self.passes) - 1]
+            running.set()
+            assert release.wait(WAIT_S)
         if self.fail_after is not None and len(self.passes) > self.fail_after:
             raise RuntimeError("the device fell off the bus")
         vectors = tuple((float(len(ids)), float(ids[0]), float(ids[-1])) for ids in inputs)
@@ -144,3 +153,27 @@ def test_every_request_of_a_failed_group_gets_the_error():
         statuses = {answer.result().status_code for answer in answers}
         assert len(statuses) == 1 and statuses.pop() >= 500
         assert all("error" in answer.result().json() for answer in answers)
+
+
+def test_a_streamed_chat_goes_first_between_two_passes_of_a_group():
+    """A group of two passes (two long inputs) is running its first when a streamed chat arrives: the chat
+    runs before the second pass, and each request still gets its own vectors."""
+    engine = EmbeddingEngine(held=2)
+    with InProcessServer(lambda: engine) as server, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        first = pool.submit(embed, server.url, [text(1000, 4)])
+        assert engine.busy.wait(WAIT_S)
+        long_ones = {start: pool.submit(embed, server.url, [text(start, 1500)]) for start in (10_000, 20_000)}
+        wait_until(lambda: members_waiting(server) == 2)
+        engine.release.set()
+        running, release = engine.held[1]
+        assert running.wait(WAIT_S)  # the group's first pass
+        chat = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", timeout=WAIT_S,
+                           json={"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        wait_until(lambda: server.server.config.app.state.serving.scheduler._running.preempted)
+        release.set()
+        assert chat.result().status_code == 200 and "data: [DONE]" in chat.result().text
+        for start, answer in long_ones.items():
+            assert answer.result().json()["data"][0]["embedding"] == pytest.approx(unit(expected(start, 1500)))
+        assert first.result().status_code == 200
+    firsts = [p if p == "chat" else [ids[0] for ids in p] for p in engine.passes]
+    assert firsts[1:] in ([[10_000], "chat", [20_000]], [[20_000], "chat", [10_000]])
