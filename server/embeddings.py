@@ -206,8 +206,8 @@ class EmbeddingGroups:
             self._close(group)
             members = [m for m in group.members if not m.done.done()]
             inputs = [ids for m in members for ids in m.inputs]
-            if inputs:
-                vectors = await self._vectors(inputs, fmt, pooling, ticket, lambda: _waiting(members))
+            vectors = await self._vectors(inputs, fmt, pooling, ticket, lambda: _waiting(members)) if inputs else None
+            if vectors is not None:  # None: every client left
                 _deliver(members, vectors)
         except Exception as e:
             _fail(group.members, e)
@@ -246,11 +246,11 @@ def _waiting(members: list[_Member]) -> bool:
     return any(not m.done.done() for m in members)
 
 
-def _deliver(members: list[_Member], vectors: Vectors | None) -> None:
+def _deliver(members: list[_Member], vectors: Vectors) -> None:
     start = 0
     for member in members:
         end = start + len(member.inputs)
-        if vectors is not None and not member.done.done():
+        if not member.done.done():
             member.done.set_result((vectors[start:end], sum(map(len, member.inputs))))
         start = end
 

@@ -1,10 +1,10 @@
 """llama.cpp's own server API, for the clients made for it: `POST /completion` (and its alias `/completions`;
 SillyTavern's and other front ends' llama.cpp backend, scripts), `POST /infill` (the editor plugins llama.vim
-and llama.vscode), `GET /props`, `POST /embedding` (and `/embeddings`), and the llama.cpp shapes of `/tokenize` and `/detokenize` (their routes are
-vLLM's, in server/routes.py). `/completion` uses the prompt as given, tokenized as `/v1/completions` does;
-`/infill` goes through the fill-in-the-middle pipeline `/v1/completions` with `suffix` uses. Both answer in
-`/completion`'s shape (streamed: `data:` events, the last with `stop: true` and the totals; no `[DONE]`, as
-llama.cpp sends none on these routes)."""
+and llama.vscode), `GET /props`, `POST /embedding` (and `/embeddings`), and the llama.cpp shapes of `/tokenize`
+and `/detokenize` (their routes are vLLM's, in server/routes.py). `/completion` uses the prompt as given,
+tokenized as `/v1/completions` does; `/infill` goes through the fill-in-the-middle pipeline `/v1/completions` with
+`suffix` uses. Both answer in `/completion`'s shape (streamed: `data:` events, the last with `stop: true` and the
+totals; no `[DONE]`, as llama.cpp sends none on these routes)."""
 
 from __future__ import annotations
 
