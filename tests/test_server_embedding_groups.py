@@ -177,3 +177,23 @@ def test_a_streamed_chat_goes_first_between_two_passes_of_a_group():
         assert first.result().status_code == 200
     firsts = [p if p == "chat" else [ids[0] for ids in p] for p in engine.passes]
     assert firsts[1:] in ([[10_000], "chat", [20_000]], [[20_000], "chat", [10_000]])
+
+
+def test_a_full_group_closes_and_the_next_requests_form_another(busy_server):
+    """A group takes at most `max_inputs` inputs: the requests after it wait in the next group, each answered."""
+    engine, server, pool, _ = busy_server
+    groups_of(server).max_inputs = 4
+    starts = [100 * (i + 1) for i in range(6)]  # the pool's other 7 threads send them all at once
+    answers = {start: pool.submit(embed, server.url, [text(start, 3), text(start + 50, 2)]) for start in starts}
+    wait_until(lambda: groups_count(server) == 3 and members_waiting(server) == 2)
+    engine.release.set()
+    for start, answer in answers.items():
+        data = answer.result().json()["data"]
+        assert data[0]["embedding"] == pytest.approx(unit(expected(start, 3)))
+        assert data[1]["embedding"] == pytest.approx(unit(expected(start + 50, 2)))
+    assert [len(p) for p in engine.passes[1:]] == [4] * 3  # two requests (four inputs) per group, one pass each
+
+
+def groups_count(server: InProcessServer) -> int:
+    """Groups still to run: each holds a place in the scheduler's queue."""
+    return len(server.server.config.app.state.serving.scheduler._waiting)
