@@ -21,7 +21,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from engine.checkpoint import _KeyMapper
+from engine.checkpoint import _KeyMapper, check_expert_converter
 from engine.moe_layers import find_moe_layers, interface_families, top_k_of
 
 LAYERS = 4  # the family's default config, cut to a few layers (meta tensors: nothing is allocated)
@@ -80,7 +80,12 @@ def _unmapped_expert_params(model: torch.nn.Module, layers) -> list[str]:
     state = {name: tensor for name, tensor in model.state_dict().items() if name.startswith(layers[0].path)}
     published = revert_weight_conversion(model, state)
     mapper = _KeyMapper(model)
-    filled = {mapper.map(key)[0] for key in published}
+    filled = set()
+    for key in published:
+        target, converter, _ = mapper.map(key)
+        if converter is not None:
+            check_expert_converter(converter, key)
+        filled.add(target)
     return [f"{layers[0].path}.{name}" for name, _ in layers[0].layout.parts if f"{layers[0].path}.{name}" not in filled]
 
 

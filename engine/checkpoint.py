@@ -53,6 +53,26 @@ Location = TensorLocation | PublishedLocation
 
 
 @dataclass
+class ConvertedDense:
+    """Dense checkpoint tensors that the family's converter joins or splits into parameters
+    (Kimi-Linear's q/k/v conv kernels into one, a fused `in_proj` into four), converted at load."""
+
+    converter: WeightConverter
+    target: str  # the key renamed to the converter's first target pattern
+    sources: dict[str, Location] = field(default_factory=dict)  # by source pattern
+
+    def convert(self, model: nn.Module, fmt: PublishedFormat | None) -> dict[str, torch.Tensor]:
+        """The parameters it makes, by name, as transformers' loader makes them."""
+        tensors = {pattern: [read_location(loc, fmt)] for pattern, loc in self.sources.items()}
+        for op in self.converter.operations:
+            tensors = op.convert(tensors, source_patterns=self.converter.source_patterns,
+                                 target_patterns=self.converter.target_patterns, full_layer_name=self.target,
+                                 model=model, config=model.config)
+        prefix, _, suffix = next(self.target.partition(k) for k in tensors if k in self.target)
+        return {prefix + k + suffix: v for k, v in tensors.items()}
+
+
+@dataclass
 class ExpertSources:
     """One experts module's tensors on disk, per parameter of its `ExpertLayout`."""
 
@@ -183,20 +203,24 @@ def checkpoint_digest(folder: Path) -> str:
 
 def split_checkpoint(
     folder: Path, model: nn.Module, moe_layers: list[MoELayer], fmt: PublishedFormat | None = None
-) -> tuple[dict[str, Location], dict[str, ExpertSources]]:
+) -> tuple[dict[str, Location | ConvertedDense], dict[str, ExpertSources]]:
     """(dense tensors by parameter name, expert tensors by experts module path)."""
     mapper = _KeyMapper(model)
     params = {(layer.path, name) for layer in moe_layers for name, _ in layer.layout.parts}
-    dense: dict[str, Location] = {}
+    dense: dict[str, Location | ConvertedDense] = {}
     experts: dict[str, ExpertSources] = defaultdict(ExpertSources)
     for key, loc in pair_published(index_checkpoint(folder), fmt).items():
         target, converter, pattern = mapper.map(key)
         owner, _, param = target.rpartition(".")
         if (owner, param) not in params:
-            dense[target] = loc
+            if converter is None:
+                dense[target] = loc
+            else:
+                dense.setdefault(target, ConvertedDense(converter, target)).sources[pattern] = loc
         elif converter is None:
             experts[owner].fused[param] = loc
         else:
+            check_expert_converter(converter, key)
             expert = _expert_number(apply_renamings(key, mapper.renamings), pattern)
             position = list(converter.source_patterns).index(pattern)
             experts[owner].per_expert[param][expert].append((position, loc))
@@ -309,6 +333,11 @@ def _mxfp4_shapes(key: str, data: TensorLocation, fmt: PublishedFormat):
     return (*lead, out_f, groups * MXFP4_BLOCK), data.shape[:-1], (torch.uint8,)
 
 
+def read_location(loc: Location, fmt: PublishedFormat | None) -> torch.Tensor:
+    """A tensor as stored, or a published quantized weight decoded to float32."""
+    return read_dequantized(loc, fmt) if isinstance(loc, PublishedLocation) else loc.read()
+
+
 def read_dequantized(loc: PublishedLocation, fmt: PublishedFormat) -> torch.Tensor:
     """A published weight decoded to float32, in its shape `[..., out, in]`."""
     data, scales = loc.data.read(), loc.scales.read()
@@ -332,14 +361,15 @@ class _KeyMapper:
 
     def map(self, key: str) -> tuple[str, WeightConverter | None, str | None]:
         target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.names)
+        if target not in self.names and key in self.names:  # a rule meant for other keys (as transformers reads it)
+            target, pattern = rename_source_key(key, [], [], self.prefix, self.names)
         if pattern is None:
             return target, None, None
         converter = next(c for c in self.converters if pattern in c.source_patterns)
-        _check_byte_contiguous(converter, key)
         return target, converter, pattern
 
 
-def _check_byte_contiguous(converter: WeightConverter, key: str) -> None:
+def check_expert_converter(converter: WeightConverter, key: str) -> None:
     """Per-expert tensors are read straight into the expert's buffer: only merges that stack
     experts and join whole row blocks (gate rows, then up rows) keep the bytes in order."""
     ops = list(converter.operations)
@@ -353,7 +383,8 @@ def _check_byte_contiguous(converter: WeightConverter, key: str) -> None:
 
 
 def _expert_number(key: str, pattern: str) -> int:
-    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    # transformers reads a source pattern as a regex whose `*.` stands for a module number
+    regex = pattern.replace("*.", r"(\d+)\.")
     match = re.search(regex, key)
     if match is None:
         raise CheckpointError(f"cannot find the expert number in {key} (pattern {pattern})")

@@ -169,7 +169,7 @@ class Engine:
         if config.prefetch and self._cache_holds_every_expert():
             log.info("prefetch off: the expert cache holds every expert (a miss happens once per expert)")
         elif config.prefetch:
-            routers = [None if layer.router is None else router_top_k(layer.router) for layer in self.loaded.moe_layers]
+            routers = [router_top_k(layer) for layer in self.loaded.moe_layers]
             # CUDA copies are already async on a side stream; disk reads of a bounded RAM tier are not
             background = self.device.type != "cuda" or not self.loaded.host.fully_resident
             limit = PREFETCH_LIMIT_PER_TOP_K * runtime.top_k

@@ -33,14 +33,14 @@ from cache.runtime import ExpertRuntime
 from cache.safetensors_index import CheckpointError
 from cache.stats import CacheStats
 from engine.checkpoint import (
+    ConvertedDense,
     ExpertSources,
     Location,
-    PublishedLocation,
     expert_parts,
     expert_segments,
     published_format,
     read_config_dict,
-    read_dequantized,
+    read_location,
     split_checkpoint,
 )
 from engine.host_memory import available_ram_bytes
@@ -349,10 +349,14 @@ def _keeps_fp32(model: nn.Module, name: str) -> bool:
 
 
 def _load_dense(
-    model: nn.Module, dense: dict[str, Location], device: torch.device, dtype: torch.dtype,
+    model: nn.Module, dense: dict[str, Location | ConvertedDense], device: torch.device, dtype: torch.dtype,
     fmt: PublishedFormat | None = None,
 ) -> None:
     """The dense weights onto the device in `dtype`; published quantized ones decoded once (they are small)."""
+    for name, entry in list(dense.items()):
+        if isinstance(entry, ConvertedDense):
+            del dense[name]
+            dense.update(entry.convert(model, fmt))
     missing = []
     for name, param in list(model.named_parameters()):
         loc = dense.pop(name, None)
@@ -380,8 +384,8 @@ def _load_dense(
         )
 
 
-def _read_dense(loc: Location, fmt: PublishedFormat | None) -> torch.Tensor:
-    return read_dequantized(loc, fmt) if isinstance(loc, PublishedLocation) else loc.read()
+def _read_dense(loc: Location | torch.Tensor, fmt: PublishedFormat | None) -> torch.Tensor:
+    return loc if isinstance(loc, torch.Tensor) else read_location(loc, fmt)
 
 
 def _check_shape(name: str, loc: Location, expected: tuple[int, ...]) -> None:

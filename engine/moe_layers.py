@@ -11,7 +11,9 @@ biases, clamping), which computes on weights gathered from cache slots.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ class MoELayer:
     router: nn.Module | None  # the block's router, for look-ahead; None when not found
     layout: ExpertLayout
     num_experts: int
+    block: nn.Module  # the module holding the experts and the router
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -49,7 +52,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         num_experts = int(module.num_experts)
         parent = model.get_submodule(path.rpartition(".")[0])
         found.append(MoELayer(int(match.group(1)), path, module, _router_of(parent, module),
-                              expert_layout(module, num_experts), num_experts))
+                              expert_layout(module, num_experts), num_experts, parent))
     found.sort(key=lambda layer: layer.decoder_layer)
     return found
 
@@ -86,15 +89,54 @@ def top_k_of(model: nn.Module, layers: list[MoELayer]) -> int:
     raise CheckpointError(f"cannot tell how many experts {config.model_type} routes each token to")
 
 
-def router_top_k(router: nn.Module):
-    """A router as a function hidden [T, H] → top-k expert ids [T, k] (its integer output)."""
+def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The layer's router as a function hidden [T, H] → top-k expert ids [T, k] (its integer output);
+    None without a router, or when the router cannot be called with inputs its block holds."""
+    router = layer.router
+    if router is None:
+        return None
+    # MiniMax-M2, Hunyuan-V3, AFMoE: the block passes its own correction bias, `gate(hidden, bias)`
+    inputs = _extra_router_inputs(router)
+    if not all(hasattr(layer.block, name) for name in inputs):
+        return None
+    rank = _router_input_rank(router, [getattr(layer.block, name) for name in inputs])
+    if rank is None:
+        return None
 
     def top_k(hidden: torch.Tensor) -> torch.Tensor:
-        out = router(hidden)
+        shaped = hidden if rank == 2 else hidden.unsqueeze(0)  # [1, T, H] for a router that unpacks it
+        out = router(shaped, *(getattr(layer.block, name) for name in inputs))
         outputs = out if isinstance(out, tuple) else (out,)
-        return next(t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point())
+        ids = next(t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point())
+        return ids.reshape(hidden.shape[0], -1)
 
     return top_k
+
+
+def _router_input_rank(router: nn.Module, inputs: list) -> int | None:
+    """2 when the router takes hidden states [T, H] (most flatten whatever comes), 3 when it unpacks
+    [B, S, H] (AFMoE); None when it takes neither (no look-ahead for that layer)."""
+    weight = next((p for p in router.parameters() if p.dim() == 2), None)
+    if weight is None:
+        return 2
+    for rank in (2, 3):
+        probe = weight.new_zeros((*(1,) * (rank - 1), weight.shape[-1]))
+        try:
+            with torch.inference_mode():
+                router(probe, *inputs)
+            return rank
+        except (RuntimeError, ValueError):
+            continue
+    return None
+
+
+def _extra_router_inputs(router: nn.Module) -> list[str]:
+    """Names of the required inputs of `router.forward` after the hidden states."""
+    required = [
+        p.name for p in inspect.signature(router.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return required[1:]
 
 
 def _router_of(parent: nn.Module, experts: nn.Module) -> nn.Module | None:
