@@ -125,7 +125,7 @@ def _router_input_rank(router: nn.Module, inputs: list) -> int | None:
             with torch.inference_mode():
                 router(probe, *inputs)
             return rank
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, IndexError):
             continue
     return None
 
