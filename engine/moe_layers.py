@@ -95,17 +95,16 @@ def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor] | No
     router = layer.router
     if router is None:
         return None
-    # MiniMax-M2, Hunyuan-V3, AFMoE: the block passes its own correction bias, `gate(hidden, bias)`
-    inputs = _extra_router_inputs(router)
-    if not all(hasattr(layer.block, name) for name in inputs):
+    names = _router_inputs_from_block(router, layer.block)
+    if names is None:
         return None
-    rank = _router_input_rank(router, [getattr(layer.block, name) for name in inputs])
+    rank = _router_input_rank(router, {name: getattr(layer.block, name) for name in names})
     if rank is None:
         return None
 
     def top_k(hidden: torch.Tensor) -> torch.Tensor:
         shaped = hidden if rank == 2 else hidden.unsqueeze(0)  # [1, T, H] for a router that unpacks it
-        out = router(shaped, *(getattr(layer.block, name) for name in inputs))
+        out = router(shaped, **{name: getattr(layer.block, name) for name in names})
         outputs = out if isinstance(out, tuple) else (out,)
         ids = next(t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point())
         return ids.reshape(hidden.shape[0], -1)
@@ -113,7 +112,21 @@ def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor] | No
     return top_k
 
 
-def _router_input_rank(router: nn.Module, inputs: list) -> int | None:
+def _router_inputs_from_block(router: nn.Module, block: nn.Module) -> list[str] | None:
+    """The router's inputs after the hidden states that its block holds and passes (its correction bias:
+    MiniMax-M2, Hunyuan-V3, AFMoE, LFM2); None when a required one is not there (DeepSeek-V4's token ids)."""
+    names = []
+    for param in list(inspect.signature(router.forward).parameters.values())[1:]:
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        if hasattr(block, param.name):
+            names.append(param.name)
+        elif param.default is param.empty:
+            return None
+    return names
+
+
+def _router_input_rank(router: nn.Module, inputs: dict) -> int | None:
     """2 when the router takes hidden states [T, H] (most flatten whatever comes), 3 when it unpacks
     [B, S, H] (AFMoE); None when it takes neither (no look-ahead for that layer)."""
     weight = next((p for p in router.parameters() if p.dim() == 2), None)
@@ -123,20 +136,11 @@ def _router_input_rank(router: nn.Module, inputs: list) -> int | None:
         probe = weight.new_zeros((*(1,) * (rank - 1), weight.shape[-1]))
         try:
             with torch.inference_mode():
-                router(probe, *inputs)
+                router(probe, **inputs)
             return rank
-        except (RuntimeError, ValueError, IndexError):
+        except Exception:  # any failure: it cannot be called this way
             continue
     return None
-
-
-def _extra_router_inputs(router: nn.Module) -> list[str]:
-    """Names of the required inputs of `router.forward` after the hidden states."""
-    required = [
-        p.name for p in inspect.signature(router.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    return required[1:]
 
 
 def _router_of(parent: nn.Module, experts: nn.Module) -> nn.Module | None:

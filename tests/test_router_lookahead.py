@@ -28,10 +28,11 @@ def block_routing(model: torch.nn.Module, prompt_ids: list[int]) -> list[tuple[t
     return [(hidden.reshape(-1, hidden.shape[-1]), ids) for hidden, ids in seen]
 
 
-# The look-ahead has the hidden states only. DeepSeek-V4's hash layers route by the token's id: they get
-# none. Zaya's routers also add the previous layer's router states: theirs is a guess of the right shape.
+# The look-ahead has the experts' input only. DeepSeek-V4's hash layers route by the token's id: they get
+# none. Zaya's routers also add the previous layer's router states, and Gemma 4's read the residual stream
+# where its experts get a normed copy: theirs is a guess of the right shape.
 NO_LOOKAHEAD = {("deepseek_v4", 0)}
-GUESSES = {"zaya"}
+GUESSES = {"zaya", "gemma4_text", "gemma4"}
 
 
 @pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
