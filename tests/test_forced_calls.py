@@ -37,6 +37,9 @@ FORMATS = {
     "deepseek_v3": ("deepseek_v3", "deepseek", tool_templates.DEEPSEEK_V3_TOOLS_TEMPLATE, "<｜tool▁calls▁begin｜>"),
     "harmony": ("qwen3_moe", "harmony", tool_templates.HARMONY_TOOLS_TEMPLATE, "<|channel|>"),
     "glm45": ("qwen3_moe", "glm45", tool_templates.GLM45_TOOLS_TEMPLATE, "<tool_call>"),
+    "qwen3_coder": ("qwen3_moe", "qwen3_coder", tool_templates.QWEN3_CODER_TOOLS_TEMPLATE, "<tool_call>"),
+    "minimax_m2": ("qwen3_moe", "minimax_m2", tool_templates.MINIMAX_M2_TOOLS_TEMPLATE, "<minimax:tool_call>"),
+    "kimi_k2": ("qwen3_moe", "kimi_k2", tool_templates.KIMI_K2_TOOLS_TEMPLATE, "<|tool_call_argument_begin|>"),
 }
 
 

@@ -12,7 +12,8 @@ from engine.api import ChatTemplateInfo
 from server.tool_parsers import PARSERS, ToolCall, ToolCallStream, detect_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "options": {"type": "object"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, TIME]
 NAMES = frozenset({"get_weather", "get_time"})
@@ -101,7 +102,54 @@ CASES = [
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Bei",
      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Bei", []),
     ("glm45", "<tool_call>get weather now\n</tool_call>", "<tool_call>get weather now\n</tool_call>", []),
+    # Qwen3-Coder, Qwen3.5 MoE, Nemotron 3 Nano
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 2})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n</function>\n"
+     "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     "", [("get_weather", {"city": "1984"}), ("get_time", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n\nSão\nPaulo\n\n</parameter>\n"
+     '<parameter=options>\n{"units": "metric", "alerts": true}\n</parameter>\n</function>\n</tool_call>',
+     "", [("get_weather", {"city": "\nSão\nPaulo\n", "options": {"units": "metric", "alerts": True}})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",  # cut by max_tokens
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", []),
+    ("qwen3_coder", "<tool_call>\n<function=get weather>\n</function>\n</tool_call> then text",
+     "<tool_call>\n<function=get weather>\n</function>\n</tool_call> then text", []),
+    ("qwen3_coder", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',  # Hermes' form
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', []),
+    # MiniMax-M2
+    ("minimax_m2", 'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+     '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
+     "Sure.", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Rio de\nJaneiro'
+     '</parameter>\n<parameter name="options">{"units": "metric"}</parameter>\n</invoke>\n</minimax:tool_call>',
+     "", [("get_weather", {"city": "Rio de\nJaneiro", "options": {"units": "metric"}})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">2049</parameter>\n'
+     '</invoke>\n</minimax:tool_call>', "", [("get_weather", {"city": "2049"})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Par',
+     '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Par', []),
+    ("minimax_m2", "<minimax:tool_call>\n<invoke>get_weather</invoke>\n</minimax:tool_call> then text",
+     "<minimax:tool_call>\n<invoke>get_weather</invoke>\n</minimax:tool_call> then text", []),
+    # Kimi-K2, Kimi-Linear
+    ("kimi_k2", "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>'
+     "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+     "Checking.", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("kimi_k2", "<|tool_calls_section_begin|>\n<|tool_call_begin|>get_weather<|tool_call_argument_begin|>"
+     '{\n  "city": "Oslo\\nNorway",\n  "options": {"units": "metric"}\n}<|tool_call_end|>\n<|tool_calls_section_end|>',
+     "", [("get_weather", {"city": "Oslo\nNorway", "options": {"units": "metric"}})]),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": "1984"}<|tool_call_end|><|tool_calls_section_end|>', "", [("get_weather", {"city": "1984"})]),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": "Pa', '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+     '<|tool_call_argument_begin|>{"city": "Pa', []),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+     "{city: Paris}<|tool_call_end|><|tool_calls_section_end|> then text",
+     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+     "{city: Paris}<|tool_call_end|><|tool_calls_section_end|> then text", []),
 ]
+KIMI = {c[1]: c for c in CASES if c[0] == "kimi_k2"}
 
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
@@ -134,6 +182,15 @@ def test_call_ids_are_unique_and_mistral_ids_have_nine_alphanumerics():
     assert all(len(c.id) == 9 and c.id.isalnum() for c in stream.calls)
 
 
+def test_kimi_call_ids_are_the_ones_the_model_wrote_unless_repeated():
+    two = next(text for text, case in KIMI.items() if len(case[3]) == 2)
+    _, stream = read("kimi_k2", [two])
+    assert [c.id for c in stream.calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    _, stream = read("kimi_k2", list(two.replace("functions.get_time:1", "functions.get_weather:0")))  # repeated
+    first, second = stream.calls
+    assert first.id == "functions.get_weather:0" and second.id.startswith("call_")
+
+
 def test_trailing_blanks_of_plain_content_are_kept():
     out, _ = read("hermes", ["Hello ", "world \n"])
     assert summary(out) == ("Hello world \n", [])
@@ -145,6 +202,15 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }} [TOOL_CALLS]", "mixtral", "mistral"),
     ("{{ tools }} <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "deepseek_v3", "deepseek_v3"),
     ("{{ tools }} to=functions.", "gpt_oss", "harmony"),
+    ("{{ tools }} <tool_call>\n<function=example_function_name>\n<parameter=", "qwen3_moe", "qwen3_coder"),
+    ("{{ tools }}", "qwen3_5_moe", "qwen3_coder"),
+    ("{{ tools }}", "qwen3_5_moe_text", "qwen3_coder"),
+    ("{{ tools }}", "nemotron_h", "qwen3_coder"),
+    ("{{ tools }} <minimax:tool_call>\n<invoke name=", "minimax_m2", "minimax_m2"),
+    ("{{ tools }}", "minimax_m2", "minimax_m2"),
+    ("{{ tools }} <|tool_calls_section_begin|><|tool_call_begin|>", "deepseek_v3", "kimi_k2"),
+    ("{{ tools }}", "kimi_k2", "kimi_k2"),
+    ("{{ tools }}", "kimi_linear", "kimi_k2"),
     ("{{ tools }}", "qwen2_moe", "hermes"),
     ("{{ tools }}", "olmoe", None),
 ])

@@ -8,17 +8,24 @@ from server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
 from server.tool_parsers.glm45 import Glm45Parser
 from server.tool_parsers.harmony import HarmonyParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.kimi_k2 import KimiK2Parser
+from server.tool_parsers.minimax_m2 import MiniMaxM2Parser
 from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser)
+    p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser, Qwen3CoderParser,
+                        MiniMaxM2Parser, KimiK2Parser)
 }
 PARSER_NAMES = ("auto", *PARSERS)
 
 # what a template writes when it shows the model its own call format, most specific first
 _TEMPLATE_SIGNS = (
     ("<arg_key>", "glm45"),
+    ("<function=", "qwen3_coder"),  # inside <tool_call>: before hermes
+    ("<minimax:tool_call>", "minimax_m2"),
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("tool▁call▁begin", "deepseek_v3"),
@@ -27,7 +34,8 @@ _TEMPLATE_SIGNS = (
 _MODEL_TYPES = {
     "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
     "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3", "gpt_oss": "harmony",
-    "glm4_moe": "glm45",
+    "glm4_moe": "glm45", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder",
+    "nemotron_h": "qwen3_coder", "minimax_m2": "minimax_m2", "kimi_k2": "kimi_k2", "kimi_linear": "kimi_k2",
 }
 
 

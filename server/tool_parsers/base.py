@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # a name a format writes bare, without JSON quotes
 # JSON written one way, as templates show it ({"a": 1, "b": 2}): an unsure model cannot run on in blanks
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -16,6 +18,7 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 class FunctionCall:
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
+    id: str | None = None  # the id the model wrote for the call, where its format has one
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,15 @@ class ToolParser:
         rules = [f"call_{i}: {body}" for i, body in enumerate(bodies)]
         return f"call: {' | '.join(f'call_{i}' for i in range(len(bodies)))}\n" + "\n".join(rules) + "\n"
 
+    def parameter_types(self, name: str) -> dict[str, Any]:
+        """The declared `type` of each parameter of the offered function `name` (read by `bare_value`)."""
+        for tool in self.tools:
+            function = tool.get("function", {})
+            if function.get("name") == name:
+                properties = (function.get("parameters") or {}).get("properties") or {}
+                return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
+        return {}
+
     def prompt_tools(self, tools: list[dict]) -> str | None:
         """The tool list as text for the system prompt, for a template that takes tool calls but does
         not render a tool list itself; None where this format's templates render it."""
@@ -101,6 +113,28 @@ def json_rule(schema: dict) -> str:
     """A Lark rule body for JSON that `schema` accepts, written as templates show JSON."""
     return f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
 
+
+def bare_value(text: str, declared: Any) -> Any:
+    """A value a format writes as bare text: a parameter declared as a string stays text, any other is
+    read as JSON where it parses (numbers, booleans, objects) and kept as text where it does not."""
+    if declared == "string":
+        return text
+    parsed = loads(text.strip())
+    return text if parsed is None and text.strip() != "null" else parsed
+
+
+def bare_value_rule(spec: dict) -> str:
+    """A Lark rule body for a bare value as templates write it: a declared string as text (its `enum`,
+    `const`, length bounds and `pattern` kept, not its `format`), anything else as JSON."""
+    if spec.get("type") != "string":
+        return json_rule(spec)
+    choices = [spec["const"]] if "const" in spec else spec.get("enum")
+    if choices:
+        return "(" + " | ".join(json.dumps(str(c), ensure_ascii=False) for c in choices) + ")"
+    if "pattern" in spec:
+        return "/" + spec["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+    low, high = spec.get("minLength", 0), spec.get("maxLength", "")
+    return f"/[^<]{{{low},{high}}}/"  # no markup: the value ends at its closing tag
 
 
 def malformed(text: str, end: int | None = None) -> Match:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from server.tool_parsers.base import (
+    FUNCTION_NAME,
     Match,
     ToolParser,
+    bare_value,
+    bare_value_rule,
     function_call,
-    json_rule,
-    loads,
     malformed,
     parameters_schema,
 )
@@ -24,7 +24,6 @@ from server.tool_parsers.base import (
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY, END_KEY, VALUE, END_VALUE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 class Glm45Parser(ToolParser):
@@ -41,20 +40,12 @@ class Glm45Parser(ToolParser):
         first = body.find("<arg_key>")
         name = (body if first < 0 else body[:first]).strip()
         pairs = _PAIR.findall(body)
-        if not _NAME.fullmatch(name) or _PAIR.sub("", body).strip() != name:  # nothing else in the call
+        if not FUNCTION_NAME.fullmatch(name) or _PAIR.sub("", body).strip() != name:  # nothing else in the call
             return malformed(text, end)
-        types = self._parameter_types(name)
-        arguments = {key.strip(): _value(value, types.get(key.strip())) for key, value in pairs}
+        types = self.parameter_types(name)
+        arguments = {key.strip(): bare_value(value, types.get(key.strip())) for key, value in pairs}
         call = function_call(name, arguments)
         return Match(end, (call,)) if call else malformed(text, end)
-
-    def _parameter_types(self, name: str) -> dict[str, Any]:
-        for tool in self.tools:
-            function = tool.get("function", {})
-            if function.get("name") == name:
-                properties = (function.get("parameters") or {}).get("properties") or {}
-                return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
-        return {}
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         return (f"start: {self.literal(OPEN)} call {self.literal(CLOSE)}\n" +
@@ -69,25 +60,6 @@ class Glm45Parser(ToolParser):
 
     def _pair_rule(self, key: str, spec: dict, required: bool) -> str:
         pair = (f"{self.literal(KEY)} {json.dumps(key, ensure_ascii=False)} {self.literal(END_KEY)} "
-                f'"\\n" {self.literal(VALUE)} {_value_rule(spec)} {self.literal(END_VALUE)} "\\n"')
+                f'"\\n" {self.literal(VALUE)} {bare_value_rule(spec)} {self.literal(END_VALUE)} "\\n"')
         return f"({pair})" if required else f"({pair})?"
 
-
-def _value_rule(spec: dict) -> str:
-    """A value as the template writes it: a declared string bare, anything else as JSON."""
-    if spec.get("type") != "string":
-        return json_rule(spec)
-    choices = [spec["const"]] if "const" in spec else spec.get("enum")
-    if choices:
-        return "(" + " | ".join(json.dumps(str(c), ensure_ascii=False) for c in choices) + ")"
-    if "pattern" in spec:
-        return "/" + spec["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
-    low, high = spec.get("minLength", 0), spec.get("maxLength", "")
-    return f"/[^<]{{{low},{high}}}/"  # no markup: the value ends at its closing tag
-
-
-def _value(text: str, declared: Any) -> Any:
-    if declared == "string":
-        return text
-    parsed = loads(text.strip())
-    return text if parsed is None and text.strip() != "null" else parsed

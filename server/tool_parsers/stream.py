@@ -74,7 +74,9 @@ class ToolCallStream:
             if self.max_calls is not None and len(self.calls) >= self.max_calls:
                 log.info("dropped tool call %s: parallel_tool_calls is false", call.name)
                 continue
-            self.calls.append(ToolCall(len(self.calls), self.parser.new_call_id(), call.name, call.arguments))
+            taken = {c.id for c in self.calls}  # a model's own id (Kimi's) is kept unless it repeats one
+            call_id = call.id if call.id and call.id not in taken else self.parser.new_call_id()
+            self.calls.append(ToolCall(len(self.calls), call_id, call.name, call.arguments))
             out.append(self.calls[-1])
             self._space, self._after_call = "", True
 

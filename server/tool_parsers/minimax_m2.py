@@ -1,0 +1,66 @@
+"""MiniMax-M2 / M2.1: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="k">v</parameter>\n
+</invoke>\n...</minimax:tool_call>`, every invoke of a block a call.
+
+Values are bare, as Qwen3-Coder's: a declared string stays text, any other is JSON where it parses."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from server.tool_parsers.base import (
+    FUNCTION_NAME,
+    FunctionCall,
+    Match,
+    ToolParser,
+    bare_value,
+    bare_value_rule,
+    function_call,
+    malformed,
+    parameters_schema,
+)
+from server.tool_parsers.qwen3_coder import tag_value
+
+OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_INVOKE = re.compile(r'<invoke name=("?)([^">\n]*)\1\s*>(.*?)</invoke>', re.DOTALL)
+_PARAMETER = re.compile(r'<parameter name=("?)([^">\n]*)\1\s*>(.*?)</parameter>', re.DOTALL)
+
+
+class MiniMaxM2Parser(ToolParser):
+    name = "minimax_m2"
+    markers = (OPEN,)
+    needs_special_tokens = True
+
+    def match(self, text: str, final: bool) -> Match | None:
+        close = text.find(CLOSE)
+        if close < 0:
+            return malformed(text) if final else None
+        end = close + len(CLOSE)
+        block = text[len(OPEN): close]
+        invokes = _INVOKE.findall(block)
+        calls = [self._call(name.strip(), body) for _, name, body in invokes]
+        if not calls or None in calls or _INVOKE.sub("", block).strip():
+            return malformed(text, end)
+        return Match(end, tuple(calls))
+
+    def _call(self, name: str, body: str) -> FunctionCall | None:
+        if not FUNCTION_NAME.fullmatch(name) or _PARAMETER.sub("", body).strip():
+            return None
+        types = self.parameter_types(name)
+        return function_call(name, {key.strip(): bare_value(tag_value(value), types.get(key.strip()))
+                                    for _, key, value in _PARAMETER.findall(body)})
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        return (f'start: {self.literal(OPEN)} "\\n" call {self.literal(CLOSE)}\n' +
+                self.call_rules(tools, name, self._call_rule))
+
+    def _call_rule(self, function: dict) -> str:
+        schema = parameters_schema(function)
+        required = set(schema.get("required") or ())
+        pairs = []
+        for key, spec in (schema.get("properties") or {}).items():
+            opening = json.dumps('<parameter name="' + key + '">', ensure_ascii=False)
+            pair = f'{opening} {bare_value_rule(spec if isinstance(spec, dict) else {})} "</parameter>\\n"'
+            pairs.append(f"({pair})" if key in required else f"({pair})?")
+        opening = json.dumps('<invoke name="' + function["name"] + '">\n', ensure_ascii=False)
+        return " ".join([opening, *pairs, '"</invoke>\\n"'])

@@ -1,0 +1,67 @@
+"""Qwen3-Coder, Qwen3.5 MoE, Nemotron 3 Nano: `<tool_call>\n<function=NAME>\n<parameter=k>\nv\n</parameter>\n
+</function>\n</tool_call>`, one call per block.
+
+A value is the text between its tags less one leading and one trailing newline (as vLLM reads it),
+bare: a declared string stays text, any other is JSON where it parses (see `bare_value`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from server.tool_parsers.base import (
+    FUNCTION_NAME,
+    Match,
+    ToolParser,
+    bare_value,
+    bare_value_rule,
+    function_call,
+    malformed,
+    parameters_schema,
+)
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+    markers = (OPEN,)
+
+    def match(self, text: str, final: bool) -> Match | None:
+        close = text.find(CLOSE)
+        if close < 0:
+            return malformed(text) if final else None
+        end = close + len(CLOSE)
+        function = _FUNCTION.fullmatch(text, len(OPEN), close)
+        if not function or not FUNCTION_NAME.fullmatch(function.group(1).strip()):
+            return malformed(text, end)
+        name, body = function.group(1).strip(), function.group(2)
+        if _PARAMETER.sub("", body).strip():  # nothing but parameters in the call
+            return malformed(text, end)
+        types = self.parameter_types(name)
+        arguments = {key.strip(): bare_value(tag_value(value), types.get(key.strip()))
+                     for key, value in _PARAMETER.findall(body)}
+        call = function_call(name, arguments)
+        return Match(end, (call,)) if call else malformed(text, end)
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        return (f'start: {self.literal(OPEN)} "\\n" call "\\n" {self.literal(CLOSE)}\n' +
+                self.call_rules(tools, name, self._call_rule))
+
+    def _call_rule(self, function: dict) -> str:
+        schema = parameters_schema(function)
+        required = set(schema.get("required") or ())
+        pairs = []
+        for key, spec in (schema.get("properties") or {}).items():
+            opening = json.dumps("<parameter=" + key + ">\n", ensure_ascii=False)
+            pair = f'{opening} {bare_value_rule(spec if isinstance(spec, dict) else {})} "\\n</parameter>\\n"'
+            pairs.append(f"({pair})" if key in required else f"({pair})?")
+        opening = json.dumps("<function=" + function["name"] + ">\n", ensure_ascii=False)
+        return " ".join([opening, *pairs, '"</function>"'])
+
+
+def tag_value(text: str) -> str:
+    """A value between tags, less the one newline after its opening tag and the one before its closing tag."""
+    return text.removeprefix("\n").removesuffix("\n")
