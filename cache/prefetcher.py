@@ -191,6 +191,10 @@ class Prefetcher:
             self._wake.notify()
 
     def _work(self) -> None:
+        # One intra-op thread here: a torch op this thread runs in parallel gives it an OpenMP team of its
+        # own, whose workers then contend with the engine thread's for every core (on 2 cores the engine's
+        # compute ran 2x slower from the first prefetch on, for the rest of the process)
+        torch.set_num_threads(1)
         while True:
             with self._wake:
                 while not self._pending and not self._closed:

@@ -3,6 +3,7 @@ engine and in the trace replay: a prefetch never evicts the experts of the layer
 and the engine's hits and misses equal the replay's on the trace the engine recorded."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -121,3 +122,22 @@ def test_a_prefetch_between_the_router_and_the_load_cannot_evict_the_steps_exper
     assert cache.is_resident((0, 3))
     runtime.run_step(0, needed, None)
     assert cache.stats.totals()["hits"] == 3  # (0, 3) twice and (1, 4) once after their first loads
+
+
+def test_the_prefetch_thread_computes_on_one_intra_op_thread():
+    """A torch op the prefetch thread runs in parallel would give it an OpenMP team of its own, which then
+    contends with the engine thread's team for every core (measured: the engine's compute 2x slower on
+    2 cores from the first prefetch on). The thread keeps to one; the engine's own count is untouched."""
+    cache = ExpertCache(SLOTS, make_policy("lru", L, E), CacheStats(L), DryRunBackend(1))
+    seen: list[int] = []
+    real_prefetch = cache.prefetch
+    cache.prefetch = lambda key: (seen.append(torch.get_num_threads()), real_prefetch(key))[1]
+    engine_threads = torch.get_num_threads()
+    prefetcher = Prefetcher(cache, [None, lambda h: torch.tensor([[1, 2]])], background=True, limit=2)
+    prefetcher.after_routing(0, torch.zeros(1, 4), [0, 1], "decode")
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    prefetcher.close()
+    assert seen == [1, 1]
+    assert torch.get_num_threads() == engine_threads
