@@ -163,7 +163,7 @@ class _Rules:
             return self.add(name, '"true" | "false"')
         if kind == "null":
             return self.add(name, '"null"')
-        if kind == "object" and "properties" in spec:
+        if kind == "object":
             return self.add(name, self.object(spec, name))
         if kind == "array" and isinstance(spec.get("items"), dict):  # item counts are not kept
             item = self.value(spec["items"], f"{name}_i")
