@@ -205,7 +205,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tool-call-parser", ServerConfig, str, "how tool calls are read out of the model's output: "
          "auto picks by the chat template, else the model type", choices=PARSER_NAMES),
     Flag("--reasoning-parser", ServerConfig, str, "how a reasoning model's thinking is read out of its output "
-         "into `reasoning_content`: think (<think>...</think>), harmony (GPT-OSS channels), none (left in the "
+         "into `reasoning_content`: think (<think>...</think>), harmony (GPT-OSS channels), gemma4 "
+         "(<|channel>thought...<channel|>), none (left in the "
          "content); auto picks by the chat template, else the model type", choices=REASONING_PARSERS),
     Flag("--reasoning-budget", ServerConfig, int, "the most tokens a thinking model may write in its "
          "<think>...</think> block; then the server closes the block and the model answers. -1: unlimited, "

@@ -1,10 +1,12 @@
 """A reasoning model's thinking, read out of its output as it arrives: it goes to the message's
 `reasoning_content` (and `reasoning`, vLLM's newer name), the answer to `content`.
 
-Two formats:
+Three formats:
 - `think`: a `<think>…</think>` block at the start of the output (Qwen3, DeepSeek-R1 and V3.1,
   GLM-4.5, MiniMax-M2, ...). Templates of thinking models often open the block in the prompt, so
   that the output begins inside it.
+- `gemma4` (Gemma 4): the same with a `<|channel>thought\n…<channel|>` block, its `thought` label
+  not part of the reasoning.
 - `harmony` (GPT-OSS): a run of channel messages, `<|channel|>NAME<|message|>BODY<|end|>`. The
   `analysis` channel is reasoning; `final` and preambles are the answer; a message to a function is
   a tool call, passed on whole to the tool-call parser (`server.tool_parsers.harmony`).
@@ -23,8 +25,10 @@ from engine.api import ChatTemplateInfo, SamplingParams
 from server.tool_parsers import Piece, ToolCallStream
 from server.tool_parsers.stream import first_marker, partial_marker
 
-REASONING_PARSERS = ("auto", "none", "think", "harmony")
+REASONING_PARSERS = ("auto", "none", "think", "harmony", "gemma4")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL = "<|channel>", "<channel|>", "thought"  # not harmony's <|channel|>
+GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 MESSAGE = "<|message|>"
 HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
 PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
@@ -46,6 +50,8 @@ def detect_reasoning(info: ChatTemplateInfo) -> str | None:
     """The reasoning format of a model, from its template's text (else its model type); None: none."""
     if "<|channel|>" in info.source or info.model_type == "gpt_oss":
         return "harmony"
+    if GEMMA4_OPEN in info.source or GEMMA4_CLOSE in info.source or info.model_type in GEMMA4_MODEL_TYPES:
+        return "gemma4"
     if THINK_OPEN in info.source or THINK_CLOSE in info.source:
         return "think"
     return None
@@ -69,9 +75,14 @@ class _TextReader:
 
 
 class ThinkStream(_TextReader):
-    def __init__(self, opened_in_prompt: bool) -> None:
+    """A thinking block at the start of the output, `<think>…</think>` unless other markers are given;
+    `label`: a word the block opens with that names it (Gemma 4's `thought`), not part of the thinking."""
+
+    def __init__(self, opened_in_prompt: bool, open_marker: str = THINK_OPEN, close_marker: str = THINK_CLOSE,
+                 label: str = "") -> None:
         super().__init__()
         self._state = "reasoning-start" if opened_in_prompt else "start"
+        self._open, self._close, self._label = open_marker, close_marker, label
 
     def finish(self) -> list[Part]:
         out = self._drain(final=True)
@@ -83,27 +94,32 @@ class ThinkStream(_TextReader):
         out: list[Part] = []
         if self._state == "start":
             head = self._buffer.lstrip()
-            if head.startswith(THINK_OPEN):
-                self._buffer, self._state = head[len(THINK_OPEN):], "reasoning-start"
-            elif THINK_OPEN.startswith(head) and not final:
+            if head.startswith(self._open):
+                self._buffer, self._state = head[len(self._open):], "reasoning-start"
+            elif self._open.startswith(head) and not final:
                 return out  # blanks, or the start of `<think>`: not decided yet
             else:
                 self._state = "answer"
+        if self._state == "reasoning-start" and self._label:
+            label = self._read_label(final)
+            if label is None:
+                return out
+            self._buffer, self._label = self._buffer[label:], ""  # read once: the thinking may start with it
         if self._state == "reasoning-start":  # the blank line after `<think>` is layout, not thought
             self._buffer = self._buffer.lstrip()
             if self._buffer:
                 self._state = "reasoning"
         if self._state == "reasoning":
-            end = self._buffer.find(THINK_CLOSE)
+            end = self._buffer.find(self._close)
             if end < 0:
-                keep = 0 if final else partial_marker(self._buffer, (THINK_CLOSE,))
+                keep = 0 if final else partial_marker(self._buffer, (self._close,))
                 ready = self._buffer[: len(self._buffer) - keep].rstrip()  # blanks before `</think>` are layout
                 _add_reasoning(out, ready)
                 self._buffer = self._buffer[len(ready):]
                 return out
             _add_reasoning(out, self._buffer[:end].rstrip())
-            self.reasoning_end = self._fed - len(self._buffer) + end + len(THINK_CLOSE)
-            self._buffer, self._state = self._buffer[end + len(THINK_CLOSE):], "answer-start"
+            self.reasoning_end = self._fed - len(self._buffer) + end + len(self._close)
+            self._buffer, self._state = self._buffer[end + len(self._close):], "answer-start"
         if self._state == "answer-start":  # so are the blanks between `</think>` and the answer
             self._buffer = self._buffer.lstrip()
             if self._buffer:
@@ -112,6 +128,17 @@ class ThinkStream(_TextReader):
             out.append(self._buffer)
             self._buffer = ""
         return out
+
+    def _read_label(self, final: bool) -> int | None:
+        """The length of the label at the start of the block (0: none there); None: not decided yet.
+        The label is a word of its own: followed by a blank or the end of the block."""
+        label, text = self._label, self._buffer
+        if not text.startswith(label):
+            return None if label.startswith(text) and not final else 0
+        after = text[len(label):]
+        if after[:1].isspace() or after.startswith(self._close) or (final and not after):
+            return len(label)
+        return None if self._close.startswith(after) and not final else 0
 
 
 class HarmonyStream(_TextReader):  # reasoning_end: where the last analysis message ended
@@ -248,7 +275,7 @@ def _add_reasoning(out: list[Part], text: str) -> None:
 class ReasoningPlan:
     """How one response's output is read for reasoning."""
 
-    format: str | None = None  # "think" or "harmony"; None: the output is the answer as written
+    format: str | None = None  # "think", "harmony" or "gemma4"; None: the output is the answer as written
     opened_in_prompt: bool = False  # think: the template opened the block, the output starts inside it
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
     grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
@@ -264,6 +291,8 @@ class ReasoningPlan:
             return ThinkStream(self.opened_in_prompt)
         if self.format == "harmony":
             return HarmonyStream()
+        if self.format == "gemma4":
+            return ThinkStream(self.opened_in_prompt, GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL)
         return None
 
     def token_counter(self) -> ReasoningTokens | None:
@@ -297,6 +326,8 @@ def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: lis
     name = detect_reasoning(engine.chat_template_info) if parser_name == "auto" else parser_name
     if name == "harmony":
         return ReasoningPlan("harmony", needs_special_tokens=True, budget_ignored=ignored)
+    if name == "gemma4":  # no budget, and under a grammar no thinking: the grammar holds from the first token
+        return ReasoningPlan("gemma4", needs_special_tokens=True, budget_ignored=ignored)
     if name != "think":
         return ReasoningPlan(budget_ignored=ignored)
     from engine.constraint import added_token_ids  # imports torch: not at `moe-serve --help`

@@ -40,6 +40,7 @@ FORMATS = {
     "qwen3_coder": ("qwen3_moe", "qwen3_coder", tool_templates.QWEN3_CODER_TOOLS_TEMPLATE, "<tool_call>"),
     "minimax_m2": ("qwen3_moe", "minimax_m2", tool_templates.MINIMAX_M2_TOOLS_TEMPLATE, "<minimax:tool_call>"),
     "kimi_k2": ("qwen3_moe", "kimi_k2", tool_templates.KIMI_K2_TOOLS_TEMPLATE, "<|tool_call_argument_begin|>"),
+    "gemma4": ("qwen3_moe", "gemma4", tool_templates.GEMMA4_TOOLS_TEMPLATE, "<|tool_call>"),
 }
 
 
@@ -96,3 +97,47 @@ def test_the_tool_list_reaches_the_prompt(model):
     text = engine.decode(prompt, skip_special_tokens=False)
     assert len(prompt) > len(plain) + 40 and "pick_color" in text and '"maxLength": 8' in text
     assert (plan.system_text is not None) == (name == "deepseek_v3")  # the only template that leaves it out
+
+
+NESTED = {"type": "function", "function": {"name": "plan_trip", "parameters": {
+    "type": "object", "required": ["stops"],
+    "properties": {"stops": {"type": "array", "items": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "nights": {"type": "integer", "minimum": 1}}}},
+        "budget": {"type": "number"}, "flexible": {"type": "boolean"}, "extra": {"type": "object"},
+        "either": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}}}
+
+
+@pytest.fixture(scope="module")
+def gemma4_grammar():
+    from llguidance.hf import from_tokenizer
+
+    from server.tool_parsers import PARSERS
+    from tests.fixtures.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer("gemma4")
+    return tokenizer, from_tokenizer(tokenizer), PARSERS["gemma4"]([NESTED], added_token_ids(tokenizer))
+
+
+@pytest.mark.parametrize("text, accepted", [
+    ('stops:[{city:<|"|>Oslo, Norway<|"|>,nights:2},{city:<|"|>Rome<|"|>}],budget:1.5e3,flexible:true,'
+     'extra:{k:[1,<|"|>v<|"|>,null]},either:7', True),
+    ('stops:[],either:<|"|>any<|"|>', True),
+    ("budget:3", False),  # `stops` is required
+    ('stops:[{nights:2}]', False),  # so is each stop's `city`
+    ('stops:[{city:<|"|>Oslo<|"|>,nights:0}]', False),  # below the minimum
+    ('stops:[],flexible:<|"|>yes<|"|>', False),  # a boolean
+    ('flexible:true,stops:[]', False),  # the schema's order
+])
+def test_gemma4_grammar_holds_nested_values_to_the_schema_and_the_parser_reads_them(gemma4_grammar, text,
+                                                                                   accepted):
+    from llguidance import LLMatcher
+
+    tokenizer, llg_tokenizer, parser = gemma4_grammar
+    matcher = LLMatcher(llg_tokenizer, LLMatcher.grammar_from_lark(parser.call_grammar([NESTED], None)))
+    assert not matcher.is_error(), matcher.get_error()
+    output = "<|tool_call>call:plan_trip{" + text + "}<tool_call|>"
+    tokens = tokenizer.encode(output, add_special_tokens=False)
+    assert (matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()) == accepted
+    (call,) = parser.match(output, final=True).calls  # the parser reads it either way
+    if accepted:
+        jsonschema.validate(json.loads(call.arguments), NESTED["function"]["parameters"])

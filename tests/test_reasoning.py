@@ -12,11 +12,9 @@ import pytest
 from engine.api import ChatTemplateInfo, SamplingParams
 from engine.chat_messages import prepare_messages
 from server.reasoning import (
-    HarmonyStream,
     OutputReader,
     Reasoning,
     ReasoningPlan,
-    ThinkStream,
     detect_reasoning,
     plan_reasoning,
 )
@@ -27,6 +25,7 @@ from tests.test_tool_parsers import NAMES, TOOLS, splits
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather. Easy.<|end|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny."
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
 HARMONY_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
                 '{"city": "Tokyo"}')
 
@@ -56,11 +55,27 @@ CASES = [
     ("harmony", False, "harmony", ANALYSIS + HARMONY_CALL, "The user wants the weather. Easy.", "",
      [("get_weather", {"city": "Tokyo"})]),
     ("harmony", False, "harmony", ANALYSIS + FINAL, "The user wants the weather. Easy.", "It is sunny.", []),
+    ("gemma4", False, None, "<|channel>thought\nAdd two and two.<channel|>It is 4.", "Add two and two.", "It is 4.",
+     []),
+    ("gemma4", False, None, "<|channel>thought\n\nthought: add.\n<channel|>\n\nIt is 4.", "thought: add.",
+     "It is 4.", []),
+    ("gemma4", False, None, "<|channel>thoughtful, I add.<channel|>4", "thoughtful, I add.", "4", []),
+    ("gemma4", False, None, "<|channel>thought\n\nthought about it<channel|>4", "thought about it", "4", []),
+    ("gemma4", False, None, "<|channel>thought<channel|>No thought needed.", "", "No thought needed.", []),
+    ("gemma4", False, None, "<|channel>thought\nStill thinking when max_tokens ran out",
+     "Still thinking when max_tokens ran out", "", []),
+    ("gemma4", False, None, "It is 4.", "", "It is 4.", []),
+    ("gemma4", False, None, "The <|channel> token. <channel|>", "", "The <|channel> token. <channel|>", []),
+    ("gemma4", False, None, "<|chan", "", "<|chan", []),
+    ("gemma4", False, None, "<|channel>thought", "", "", []),
+    ("gemma4", False, "gemma4", f"<|channel>thought\nI need the weather.<channel|>{GEMMA4_CALL}",
+     "I need the weather.", "", [("get_weather", {"city": "Paris"})]),
+    ("gemma4", False, "gemma4", f"Sure.{GEMMA4_CALL}", "", "Sure.", [("get_weather", {"city": "Paris"})]),
 ]
 
 
 def reader(fmt: str, opened: bool, parser: str | None) -> OutputReader:
-    reasoning = ThinkStream(opened) if fmt == "think" else HarmonyStream()
+    reasoning = ReasoningPlan(fmt, opened_in_prompt=opened).stream()
     calls = ToolCallStream(PARSERS[parser](TOOLS), NAMES) if parser else None
     return OutputReader(reasoning, calls)
 
@@ -116,6 +131,9 @@ TOKEN_CASES = [
                         "<|channel|>", "final", "<|message|>", "Hi", "<|return|>"], 5),
     ("harmony", False, ["<|channel|>analysis<|message|>", "Hm"], 2),
     ("harmony", False, ["Plain", " text"], 0),
+    ("gemma4", False, ["<|channel>", "thought", "\n", "Add", ".", "<channel|>", "It", " is", " 4."], 6),
+    ("gemma4", False, ["<|channel>", "thought", "\n", "Hm"], 4),
+    ("gemma4", False, ["It", " is", " 4."], 0),
 ]
 
 
@@ -139,6 +157,11 @@ THINK_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %
     ("{{ '<|start|>assistant<|channel|>final<|message|>' }}", "gpt_oss", "harmony"),
     ("", "gpt_oss", "harmony"),
     ("{{ '<|im_start|>assistant\n' }}", "qwen2_moe", None),
+    ("{{ '<|turn>model\n' }}{{ content.split('<channel|>')[-1] }}", "qwen3_moe", "gemma4"),
+    ("{%- if '<|channel>' in content %}", "gemma4_text", "gemma4"),
+    ("{{ '<|turn>model\n' }}", "gemma4", "gemma4"),
+    ("{{ '<|turn>model\n' }}", "gemma4_text", "gemma4"),
+    ("{{ '<|start|>assistant<|channel|>' }}", "gemma4", "harmony"),  # harmony's marker is not Gemma 4's
 ])
 def test_the_format_is_detected_from_the_template_else_the_model_type(source, model_type, expected):
     assert detect_reasoning(ChatTemplateInfo(True, source, model_type)) == expected
@@ -175,6 +198,21 @@ def test_a_special_think_token_is_kept_in_the_text_and_none_turns_reading_off():
     assert plan_reasoning("none", engine, SamplingParams(), [1]).format is None
     harmony = plan_reasoning("harmony", engine, SamplingParams(), [1])
     assert harmony.format == "harmony" and harmony.needs_special_tokens
+
+
+GEMMA4_TEMPLATE = "{{ '<|turn>model\n' }}{{ content.split('<channel|>')[-1] }}"
+
+
+@pytest.mark.parametrize("grammar", [None, 'start: "x"'])
+def test_gemma4_thinking_keeps_its_special_tokens_and_a_budget_is_reported_ignored(grammar):
+    engine = TailEngine(GEMMA4_TEMPLATE, "<|turn>model\n")
+    params = SamplingParams(grammar=grammar)
+    plan = plan_reasoning("auto", engine, params, [1], budget=64)
+    assert (plan.format, plan.needs_special_tokens, plan.budget_ignored) == ("gemma4", True, True)
+    assert plan.thinking_budget is None and plan.grammar_after is None  # a grammar holds from the first token
+    assert not plan.sampling_params(params).skip_special_tokens
+    assert plan_reasoning("gemma4", TailEngine(THINK_TEMPLATE, ""), params, [1]).format == "gemma4"
+    assert not plan_reasoning("auto", engine, params, [1]).budget_ignored  # none asked for
 
 
 def test_under_a_grammar_a_block_opened_in_the_prompt_is_thought_freely_then_the_grammar_holds():

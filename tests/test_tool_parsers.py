@@ -148,6 +148,31 @@ CASES = [
      "{city: Paris}<|tool_call_end|><|tool_calls_section_end|> then text",
      "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
      "{city: Paris}<|tool_call_end|><|tool_calls_section_end|> then text", []),
+    # Gemma 4
+    ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
+     "<|tool_call>call:get_time{}<tool_call|>",
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,options:{units:<|"|>metric<|"|>,alerts:true,'
+     'levels:[1,2.5,-3e2],tags:[<|"|>a<|"|>,{k:null}],extra:false}}<tool_call|>', "",
+     [("get_weather", {"city": "Oslo", "options": {"units": "metric", "alerts": True, "levels": [1, 2.5, -300.0],
+                                                    "tags": ["a", {"k": None}], "extra": False}})]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>a, b: {c} [d] "e"<|"|>}<tool_call|>', "",
+     [("get_weather", {"city": 'a, b: {c} [d] "e"'})]),
+    ("gemma4", "<|tool_call>call:get_weather{city:1984, days:3}<tool_call|>", "",  # a bare number for a string
+     [("get_weather", {"city": "1984", "days": 3})]),
+    ("gemma4", '<|tool_call>call:get_weather{city: "São Paulo", "days": 2}<tool_call|>', "",  # plain quotes
+     [("get_weather", {"city": "São Paulo", "days": 2})]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Par',  # cut by max_tokens
+     '<|tool_call>call:get_weather{city:<|"|>Par', []),
+    ("gemma4", "<|tool_call>call:get_weather{city:Paris}<tool_call|> then text",  # a bare word
+     "<|tool_call>call:get_weather{city:Paris}<tool_call|> then text", []),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,}<tool_call|>',  # a trailing comma
+     '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,}<tool_call|>', []),
+    ("gemma4", '<|tool_call>get_weather{city:<|"|>Paris<|"|>}<tool_call|>',  # no `call:`
+     '<|tool_call>get_weather{city:<|"|>Paris<|"|>}<tool_call|>', []),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>} and more<tool_call|>',
+     '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>} and more<tool_call|>', []),
+    ("gemma4", "Plain <tool_call> text and a partial <|tool_ca", "Plain <tool_call> text and a partial <|tool_ca", []),
 ]
 KIMI = {c[1]: c for c in CASES if c[0] == "kimi_k2"}
 
@@ -211,6 +236,10 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }} <|tool_calls_section_begin|><|tool_call_begin|>", "deepseek_v3", "kimi_k2"),
     ("{{ tools }}", "kimi_k2", "kimi_k2"),
     ("{{ tools }}", "kimi_linear", "kimi_k2"),
+    ("{{ tools }}<|tool_call>call:{{ name }}{<|\"|>...<tool_call|> <tool_call>", "gemma4_text", "gemma4"),
+    ("{{ tools }}<|tool_call>call:", "qwen3_moe", "gemma4"),
+    ("{{ tools }}", "gemma4", "gemma4"),
+    ("{{ tools }}", "gemma4_text", "gemma4"),
     ("{{ tools }}", "qwen2_moe", "hermes"),
     ("{{ tools }}", "olmoe", None),
 ])

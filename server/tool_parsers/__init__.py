@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.api import ChatTemplateInfo
 from server.tool_parsers.base import FunctionCall, Match, ToolParser
 from server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from server.tool_parsers.gemma4 import Gemma4Parser
 from server.tool_parsers.glm45 import Glm45Parser
 from server.tool_parsers.harmony import HarmonyParser
 from server.tool_parsers.hermes import HermesParser
@@ -16,7 +17,7 @@ from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser, Qwen3CoderParser,
-                        MiniMaxM2Parser, KimiK2Parser)
+                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser)
 }
 PARSER_NAMES = ("auto", *PARSERS)
 
@@ -26,6 +27,7 @@ _TEMPLATE_SIGNS = (
     ("<function=", "qwen3_coder"),  # inside <tool_call>: before hermes
     ("<minimax:tool_call>", "minimax_m2"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<|tool_call>", "gemma4"),  # not inside `<tool_call>`, yet kept before it
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("tool▁call▁begin", "deepseek_v3"),
@@ -36,6 +38,7 @@ _MODEL_TYPES = {
     "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3", "gpt_oss": "harmony",
     "glm4_moe": "glm45", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder",
     "nemotron_h": "qwen3_coder", "minimax_m2": "minimax_m2", "kimi_k2": "kimi_k2", "kimi_linear": "kimi_k2",
+    "gemma4": "gemma4", "gemma4_text": "gemma4",
 }
 
 
