@@ -104,6 +104,15 @@ def parameters_schema(function: dict) -> dict:
     return function.get("parameters") or {"type": "object"}
 
 
+def parameter_rules(function: dict, pair_rule: Callable[[str, dict], str]) -> list[str]:
+    """Lark pieces for a function's declared parameters in the schema's order, each written by
+    `pair_rule(key, spec)`; an optional one may be left out."""
+    schema = parameters_schema(function)
+    required = set(schema.get("required") or ())
+    return [f"({pair_rule(key, spec if isinstance(spec, dict) else {})})" + ("" if key in required else "?")
+            for key, spec in (schema.get("properties") or {}).items()]
+
+
 def arguments_rule(function: dict) -> str:
     """A Lark rule body for a call's arguments as JSON: valid under the function's `parameters`."""
     return json_rule(parameters_schema(function))

@@ -18,7 +18,7 @@ from server.tool_parsers.base import (
     bare_value_rule,
     function_call,
     malformed,
-    parameters_schema,
+    parameter_rules,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -52,14 +52,10 @@ class Glm45Parser(ToolParser):
                 self.call_rules(tools, name, self._call_rule))
 
     def _call_rule(self, function: dict) -> str:
-        schema = parameters_schema(function)
-        required = set(schema.get("required") or ())
-        pairs = [self._pair_rule(key, spec if isinstance(spec, dict) else {}, key in required)
-                 for key, spec in (schema.get("properties") or {}).items()]
+        pairs = parameter_rules(function, self._pair_rule)
         return " ".join([json.dumps(function["name"] + "\n", ensure_ascii=False), *pairs])
 
-    def _pair_rule(self, key: str, spec: dict, required: bool) -> str:
-        pair = (f"{self.literal(KEY)} {json.dumps(key, ensure_ascii=False)} {self.literal(END_KEY)} "
+    def _pair_rule(self, key: str, spec: dict) -> str:
+        return (f"{self.literal(KEY)} {json.dumps(key, ensure_ascii=False)} {self.literal(END_KEY)} "
                 f'"\\n" {self.literal(VALUE)} {bare_value_rule(spec)} {self.literal(END_VALUE)} "\\n"')
-        return f"({pair})" if required else f"({pair})?"
 

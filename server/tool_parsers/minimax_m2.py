@@ -17,7 +17,7 @@ from server.tool_parsers.base import (
     bare_value_rule,
     function_call,
     malformed,
-    parameters_schema,
+    parameter_rules,
 )
 from server.tool_parsers.qwen3_coder import tag_value
 
@@ -55,12 +55,10 @@ class MiniMaxM2Parser(ToolParser):
                 self.call_rules(tools, name, self._call_rule))
 
     def _call_rule(self, function: dict) -> str:
-        schema = parameters_schema(function)
-        required = set(schema.get("required") or ())
-        pairs = []
-        for key, spec in (schema.get("properties") or {}).items():
-            opening = json.dumps('<parameter name="' + key + '">', ensure_ascii=False)
-            pair = f'{opening} {bare_value_rule(spec if isinstance(spec, dict) else {})} "</parameter>\\n"'
-            pairs.append(f"({pair})" if key in required else f"({pair})?")
         opening = json.dumps('<invoke name="' + function["name"] + '">\n', ensure_ascii=False)
-        return " ".join([opening, *pairs, '"</invoke>\\n"'])
+        return " ".join([opening, *parameter_rules(function, _pair_rule), '"</invoke>\\n"'])
+
+
+def _pair_rule(key: str, spec: dict) -> str:
+    opening = json.dumps('<parameter name="' + key + '">', ensure_ascii=False)
+    return f'{opening} {bare_value_rule(spec)} "</parameter>\\n"'
