@@ -29,11 +29,12 @@ REASONING_PARSERS = ("auto", "none", "think", "harmony", "gemma4")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL = "<|channel>", "<channel|>", "thought"  # not harmony's <|channel|>
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
+BLOCK_MARKERS = {"think": (THINK_OPEN, THINK_CLOSE), "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE)}  # a block up front
 MESSAGE = "<|message|>"
 HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
 PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
 BUDGET_IGNORED = ("the thinking token budget was ignored: this model does not think in a <think>...</think> "
-                  "block whose markers are single tokens")
+                  "(or Gemma 4 channel) block whose markers are single tokens")
 _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.")
 _HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
@@ -276,14 +277,14 @@ class ReasoningPlan:
     """How one response's output is read for reasoning."""
 
     format: str | None = None  # "think", "harmony" or "gemma4"; None: the output is the answer as written
-    opened_in_prompt: bool = False  # think: the template opened the block, the output starts inside it
+    opened_in_prompt: bool = False  # think, gemma4: the template opened the block, the output starts inside it
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
     grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
     grammar_may_open: int | None = None  # a first token (`<think>`) that starts thinking instead of the grammar
-    thinking_budget: int | None = None  # think: tokens allowed inside the block before it is closed for the model
+    thinking_budget: int | None = None  # tokens allowed inside the block before it is closed for the model
     thinking_end_ids: tuple[int, ...] = ()  # what closes it then: "\n", `</think>` and (without a grammar) "\n\n"
-    thinking_open: int | None = None  # `<think>`, with a budget
-    thinking_close: int | None = None  # `</think>`, with a budget
+    thinking_open: int | None = None  # `<think>` (Gemma 4: `<|channel>`), with a budget
+    thinking_close: int | None = None  # `</think>` (Gemma 4: `<channel|>`), with a budget
     budget_ignored: bool = False  # a budget was asked for, and this output has no `<think>` block to cap
 
     def stream(self) -> ThinkStream | HarmonyStream | None:
@@ -320,26 +321,25 @@ def plan_reasoning(parser_name: str, engine, params: SamplingParams, prompt: lis
     Under a grammar (JSON output, a forced tool call) a thinking model thinks freely and answers under
     the grammar after its `</think>`: from the start where the template opened the block, else if its
     first token opens one. Where the markers are not single tokens, the grammar holds from the first
-    token and the output is not read for thinking. A budget holds only for a `<think>` block whose two
-    markers are single tokens: elsewhere the plan says it was ignored."""
+    token and the output is not read for thinking. A budget holds only for a thinking block (`<think>`,
+    Gemma 4's channel) whose two markers are single tokens: elsewhere the plan says it was ignored."""
     ignored = budget is not None
     name = detect_reasoning(engine.chat_template_info) if parser_name == "auto" else parser_name
     if name == "harmony":
         return ReasoningPlan("harmony", needs_special_tokens=True, budget_ignored=ignored)
-    if name == "gemma4":  # no budget, and under a grammar no thinking: the grammar holds from the first token
-        return ReasoningPlan("gemma4", needs_special_tokens=True, budget_ignored=ignored)
-    if name != "think":
+    if name not in BLOCK_MARKERS:
         return ReasoningPlan(budget_ignored=ignored)
     from engine.constraint import added_token_ids  # imports torch: not at `moe-serve --help`
 
+    open_marker, close_marker = BLOCK_MARKERS[name]
     tail = engine.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    opened = tail.rstrip().endswith(THINK_OPEN)
+    opened = tail.rstrip().endswith(open_marker)
     added = added_token_ids(engine.tokenizer)
-    think, close = added.get(THINK_OPEN), added.get(THINK_CLOSE)
+    think, close = added.get(open_marker), added.get(close_marker)
     gated = params.grammar is not None
     if gated and (close is None or (think is None and not opened)):
         return ReasoningPlan(budget_ignored=ignored)
-    plan = ReasoningPlan("think", opened_in_prompt=opened,
+    plan = ReasoningPlan(name, opened_in_prompt=opened,
                          needs_special_tokens=think is not None and engine.decode([think]) == "",
                          grammar_after=close if gated else None,
                          grammar_may_open=think if gated and not opened else None)

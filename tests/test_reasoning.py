@@ -170,16 +170,20 @@ def test_the_format_is_detected_from_the_template_else_the_model_type(source, mo
 class TailEngine:
     """What `plan_reasoning` asks of the engine: the template, decoding, the tokenizer's added tokens."""
 
-    def __init__(self, source: str, prompt_text: str, think_special: bool = False) -> None:
+    def __init__(self, source: str, prompt_text: str, think_special: bool = False,
+                 markers: tuple[str, str] = ("<think>", "</think>")) -> None:
         self.chat_template_info = ChatTemplateInfo(False, source, "qwen3_moe")
-        self.prompt_text, self.think_special = prompt_text, think_special
-        added = {7: type("T", (), {"content": "<think>"}), 8: type("T", (), {"content": "</think>"})}
+        self.prompt_text, self.think_special, self.markers = prompt_text, think_special, markers
+        added = {7: type("T", (), {"content": markers[0]}), 8: type("T", (), {"content": markers[1]})}
         self.tokenizer = type("Tokenizer", (), {"added_tokens_decoder": added})()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if ids == [7]:
-            return "" if self.think_special and skip_special_tokens else "<think>"
+            return "" if self.think_special and skip_special_tokens else self.markers[0]
         return self.prompt_text
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [100 + ord(c) for c in text]  # one id per character, clear of the markers'
 
 
 @pytest.mark.parametrize("prompt_text, opened", [("<|im_start|>assistant\n<think>\n", True),
@@ -204,15 +208,20 @@ GEMMA4_TEMPLATE = "{{ '<|turn>model\n' }}{{ content.split('<channel|>')[-1] }}"
 
 
 @pytest.mark.parametrize("grammar", [None, 'start: "x"'])
-def test_gemma4_thinking_keeps_its_special_tokens_and_a_budget_is_reported_ignored(grammar):
-    engine = TailEngine(GEMMA4_TEMPLATE, "<|turn>model\n")
+def test_gemma4_thinking_keeps_its_special_tokens_takes_a_budget_and_a_grammar_after_it(grammar):
+    engine = TailEngine(GEMMA4_TEMPLATE, "<|turn>model\n", think_special=True, markers=("<|channel>", "<channel|>"))
     params = SamplingParams(grammar=grammar)
     plan = plan_reasoning("auto", engine, params, [1], budget=64)
-    assert (plan.format, plan.needs_special_tokens, plan.budget_ignored) == ("gemma4", True, True)
-    assert plan.thinking_budget is None and plan.grammar_after is None  # a grammar holds from the first token
+    assert (plan.format, plan.needs_special_tokens, plan.budget_ignored) == ("gemma4", True, False)
+    assert (plan.thinking_budget, plan.thinking_open, plan.thinking_close) == (64, 7, 8)
+    assert 8 in plan.thinking_end_ids  # `<channel|>` closes a block that runs past the budget
+    assert (plan.grammar_after, plan.grammar_may_open) == ((8, 7) if grammar else (None, None))
     assert not plan.sampling_params(params).skip_special_tokens
-    assert plan_reasoning("gemma4", TailEngine(THINK_TEMPLATE, ""), params, [1]).format == "gemma4"
+    assert plan_reasoning("gemma4", engine, params, [1]).format == "gemma4"
     assert not plan_reasoning("auto", engine, params, [1]).budget_ignored  # none asked for
+    as_text = TailEngine(GEMMA4_TEMPLATE, "<|turn>model\n", markers=("<|channel>", "<channel|>"))
+    as_text.tokenizer.added_tokens_decoder = {}  # markers that are not single tokens: no budget to hold
+    assert plan_reasoning("auto", as_text, SamplingParams(), [1], budget=64).budget_ignored
 
 
 def test_under_a_grammar_a_block_opened_in_the_prompt_is_thought_freely_then_the_grammar_holds():
