@@ -84,10 +84,17 @@ class ExpertSources:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local folder as is; otherwise a hub id fetched (or found in the local HF cache)."""
+    """A local folder as is; a GGUF file converted once into a folder; otherwise a hub id fetched (or found in
+    the local HF cache)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.is_file():
+        from engine.gguf_checkpoint import gguf_folder, is_gguf  # gguf-py: imported when a file is given
+
+        if is_gguf(path):
+            return gguf_folder(path)
+        raise CheckpointError(f"{model!r} is a file, neither a model folder nor a GGUF file")
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise CheckpointError(f"model folder {model!r} does not exist")
     if not is_hub_id(model):  # its cache folder is named after it: it must stay inside the hub cache

@@ -27,7 +27,13 @@ def default_quant_path(model_identity: str, form: str) -> Path:
     return state_dir() / "experts" / f"{_file_stem(model_identity)}-{form}.moeq"
 
 
-def _file_stem(model_identity: str) -> str:
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", model_identity.rstrip("/").split("/")[-1])[:60] or "model"
+def default_gguf_folder(source: Path, version: str) -> Path:
+    """The Hugging Face folder converted from a GGUF file: one per file and `version` (size, time, dtype)."""
+    return state_dir() / "gguf" / _file_stem(f"{source}|{version}", readable=source.name)
+
+
+def _file_stem(model_identity: str, readable: str | None = None) -> str:
+    readable = readable or model_identity.rstrip("/").split("/")[-1]
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", readable)[:60] or "model"
     digest = hashlib.sha256(model_identity.encode()).hexdigest()[:12]
     return f"{readable}-{digest}"

@@ -1,0 +1,226 @@
+"""GGUF files (llama.cpp's and Ollama's format), served by converting them once into a Hugging Face folder.
+
+`--model FILE` where FILE is a GGUF file (an Ollama blob too: it is recognised by its magic bytes, not its
+name) comes here. The file's config, tokenizer and chat template are read by transformers' GGUF support; its
+tensors are read one at a time (memory-mapped by gguf-py), dequantized, renamed to the model's parameters by
+transformers' GGUF name maps and written as safetensors shards into the per-user state folder. A later start
+finds that folder by the file's path, size and modification time and loads it at once. From there on the
+experts are stored, quantized (`--expert-dtype`) and cached like those of any checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import init_empty_weights
+from gguf import GGUFReader, dequantize
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+)
+
+from cache.safetensors_index import CheckpointError
+from engine.moe_layers import interface_families
+from engine.paths import default_gguf_folder
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+CONVERTER_VERSION = 1  # part of the folder's identity: a new version converts again
+SHARD_BYTES = 2 << 30
+DONE_MARKER = "moe-serve-gguf.json"  # written last: a folder without it is an interrupted conversion
+
+# Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
+MISSED_CONFIG_KEYS = {
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+}
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def gguf_folder(source: Path) -> Path:
+    """The Hugging Face folder converted from the GGUF file `source` (converted now unless an earlier start did)."""
+    source = source.expanduser().resolve()
+    stat = source.stat()
+    folder = default_gguf_folder(source, f"{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}")
+    if (folder / DONE_MARKER).is_file():
+        log.info("GGUF %s: using its conversion in %s", source, folder)
+        return folder
+    partial = folder.with_name(f"{folder.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # an interrupted conversion: start over
+    partial.mkdir(parents=True)
+    try:
+        convert_gguf(source, partial)
+        if folder.exists():  # another process converted the same file meanwhile
+            shutil.rmtree(partial)
+        else:
+            partial.rename(folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return folder
+
+
+def convert_gguf(source: Path, out: Path) -> None:
+    """Write `source`'s config, tokenizer, generation config and weights into the empty folder `out`.
+
+    Each tensor keeps its float type (F32, F16, BF16); a quantized one is dequantized into float16, which holds
+    its values (fp16 scales times small integers) more closely than bf16. One-dimensional tensors (norms,
+    biases) are float32. The config's dtype, the compute dtype `--dtype auto` picks on a GPU, is float32 if the
+    file's matrices all are, else bfloat16.
+    """
+    try:
+        reader = GGUFReader(source)
+        arch = str(reader.fields["general.architecture"].contents())
+    except (ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+    config = gguf_config(source, reader, arch)
+    matrices = [t for t in reader.tensors if len(t.shape) > 1]
+    config.dtype = torch.float32 if all(t.tensor_type.name == "F32" for t in matrices) else torch.bfloat16
+    _check_free_space(out, sum(int(t.n_elements) * storage_dtype(t).itemsize for t in reader.tensors))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name (a merged one without `.weight`) → ours
+    target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t in reader.tensors}
+    parts = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
+    merging: dict[str, dict] = {"tensors": {}}  # where the processor assembles merged expert tensors
+    seen: Counter[str] = Counter()
+    writer = ShardWriter(out)
+    started, unused = time.monotonic(), []
+    log.info("GGUF %s (%s, %d tensors): converting into %s, once", source, arch, len(reader.tensors), out)
+    for i, tensor in enumerate(reader.tensors):
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters=merging)
+        target = target_of[tensor.name]
+        if result.name is None and target:  # merged into `merging` by the processor
+            seen[target] += 1
+            if seen[target] == parts[target]:
+                writer.add(target, merging["tensors"].pop(target).to(storage_dtype(tensor)), expected)
+        elif result.name in names:
+            weights = torch.from_numpy(np.array(result.weights)).to(storage_dtype(tensor))
+            writer.add(names[result.name], weights, expected)
+        else:
+            unused.append(tensor.name)
+        if (i + 1) % 50 == 0:
+            log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(reader.tensors),
+                     writer.bytes_written / 2**30, time.monotonic() - started)
+    writer.close()
+    _check_complete(source, writer.written, expected, config)
+    if unused:
+        log.warning("GGUF %s: %d tensors not used by %s (%s)", source, len(unused), config.model_type,
+                    ", ".join(unused[:5]))
+    _save_companions(source, config, out)
+    (out / DONE_MARKER).write_text(json.dumps({"source": str(source), "architecture": arch,
+                                              "converter": CONVERTER_VERSION}))
+    log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
+             writer.bytes_written / 2**30)
+
+
+def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
+    """The model's config as transformers reads it from the file, with the expert sizes it misses."""
+    try:
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one transformers reads ({e}); "
+                              f"serve the model's Hugging Face checkpoint instead") from None
+    for key, attribute in MISSED_CONFIG_KEYS.get(arch, {}).items():
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None:
+            setattr(config, attribute, int(field.contents()))
+    if config.model_type not in interface_families():
+        raise CheckpointError(f"{source}: a {config.model_type!r} model ({arch!r} in GGUF), not a Mixture-of-Experts "
+                              f"family moe-serve serves ({', '.join(interface_families())})")
+    return config
+
+
+def storage_dtype(tensor) -> torch.dtype:
+    """The dtype a GGUF tensor is written in (see `convert_gguf`)."""
+    if len(tensor.shape) == 1:
+        return torch.float32
+    return {"F32": torch.float32, "BF16": torch.bfloat16}.get(tensor.tensor_type.name, torch.float16)
+
+
+class ShardWriter:
+    """Tensors gathered into safetensors shards of about `SHARD_BYTES`, with the index transformers reads."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = self.bytes_written = 0
+        self.written: dict[str, str] = {}  # parameter → shard file
+
+    def add(self, name: str, tensor: torch.Tensor, expected: dict[str, tuple]) -> None:
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"GGUF tensor for {name} has shape {tuple(tensor.shape)}, "
+                                  f"the model expects {expected[name]}")
+        tensor = tensor.contiguous()
+        self.pending[name] = tensor
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        shard = f"model-{len(set(self.written.values())) + 1:05d}.safetensors"
+        save_file(self.pending, self.folder / shard, metadata={"format": "pt"})
+        self.written.update(dict.fromkeys(self.pending, shard))
+        self.bytes_written += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        index = {"metadata": {"total_size": self.bytes_written}, "weight_map": self.written}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def _check_free_space(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(out).free
+    if needed * 1.05 > free:
+        raise CheckpointError(
+            f"converting this GGUF file needs {needed / 2**30:.1f} GiB in {out.parent}, which has "
+            f"{free / 2**30:.1f} GiB free; set MOE_SERVE_STATE_DIR to a folder on a larger disk"
+        )
+
+
+def _check_complete(source: Path, written: dict[str, str], expected: dict[str, tuple],
+                    config: PretrainedConfig) -> None:
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(expected) - set(written) - tied)
+    if missing:
+        raise CheckpointError(f"{source}: the GGUF file has no tensor for {len(missing)} parameters of "
+                              f"{config.model_type} ({', '.join(missing[:4])}); serve the model's Hugging Face "
+                              f"checkpoint instead")
+
+
+def _save_companions(source: Path, config: PretrainedConfig, out: Path) -> None:
+    """Config, tokenizer (with the file's chat template) and generation config."""
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    for attribute in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(config, attribute, None) is None and getattr(tokenizer, attribute, None) is not None:
+            setattr(config, attribute, getattr(tokenizer, attribute))
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)

@@ -1,0 +1,177 @@
+"""GGUF files (llama.cpp's and Ollama's format) are served: converted once into a Hugging Face folder, token-
+identical to the model they were written from, with the file's tokenizer and chat template; what cannot be
+served is refused by name, and nothing half-converted is left behind."""
+
+import os
+import shutil
+from collections import namedtuple
+
+import gguf
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
+import engine.gguf_checkpoint as gguf_checkpoint
+from cache.safetensors_index import CheckpointError
+from engine.api import GenerationRequest, SamplingParams
+from engine.checkpoint import resolve_model_path
+from engine.config import EngineConfig
+from engine.demo_model import gguf_location
+from engine.engine import Engine
+from engine.paths import state_dir
+from server.testing import RemoteServer
+from tests.fixtures.gguf_files import GGUF_ARCH, chat_template_of, tiny_gguf_model, write_gguf
+from tests.fixtures.models import reference_greedy
+
+NEW_TOKENS = 12
+PROMPT = "The quick brown fox jumps over the lazy dog, then"
+
+
+def greedy(engine: Engine, prompt_ids: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    return [t for e in engine.generate(GenerationRequest("gguf", prompt_ids, params)) for t in e.token_ids]
+
+
+def transformers_greedy(model: torch.nn.Module, prompt_ids: list[int]) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def load(path, slots: int) -> Engine:
+    return Engine.load(EngineConfig(model=str(path), device="cpu", policy="lru", expert_cache_experts=slots))
+
+
+def converted_folders():
+    return sorted((state_dir() / "gguf").glob("*")) if (state_dir() / "gguf").exists() else []
+
+
+@pytest.fixture
+def own_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_SERVE_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_ARCH))
+def test_a_gguf_file_gives_the_tokens_of_the_model_it_was_written_from(family, tmp_path):
+    model = tiny_gguf_model(family)
+    path = write_gguf(model, tmp_path / f"{family}.gguf")
+    for slots in (1, 3, 2 * 8):  # one slot, a partial cache, every expert of both MoE layers
+        engine = load(path, slots)
+        prompt_ids = engine.encode(PROMPT)
+        assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids), f"{slots} slots"
+        assert engine.loaded.config.model_type == family
+
+
+@pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_1"])
+def test_quantized_experts_are_read_as_the_file_holds_them(expert_type, tmp_path):
+    model = tiny_gguf_model("qwen3_moe", seed=1)
+    path = write_gguf(model, tmp_path / "q.gguf", expert_type)
+    folder = resolve_model_path(str(path))
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    with safe_open(folder / "model-00001.safetensors", "pt") as f:
+        gate_up = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")  # [E, 2I, H]
+        down = f.get_tensor("model.layers.1.mlp.experts.down_proj")  # [E, H, I]
+    as_file = {w: torch.from_numpy(gguf.dequantize(stored[f"blk.1.ffn_{w}_exps.weight"].data,
+                                                   stored[f"blk.1.ffn_{w}_exps.weight"].tensor_type))
+               for w in ("gate", "up", "down")}
+    assert gate_up.dtype == torch.float16
+    assert torch.equal(gate_up, torch.cat([as_file["gate"], as_file["up"]], dim=1).half())
+    assert torch.equal(down, as_file["down"].half())
+    original = model.state_dict()["model.layers.1.mlp.experts.down_proj"]
+    assert not torch.equal(down.float(), original)  # really quantized: the test would catch a float copy
+
+    engine = load(path, 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
+
+
+def test_the_tokenizer_and_chat_template_are_the_files(tmp_path):
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "t.gguf")
+    folder = resolve_model_path(str(path))
+    converted = AutoTokenizer.from_pretrained(folder)
+    direct = AutoTokenizer.from_pretrained(gguf_location()[0], gguf_file=gguf_location()[1])
+    assert converted.chat_template == chat_template_of(path)
+    text = "Hello there! 1234 naïve café\n\tdef f(x): return x ** 2"
+    assert converted.encode(text) == direct.encode(text)
+    assert converted.eos_token_id == direct.eos_token_id is not None
+    engine = load(path, 16)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert "What is the capital of France?" in converted.apply_chat_template(messages, tokenize=False)
+    assert engine.loaded.config.eos_token_id == direct.eos_token_id
+
+
+def test_a_file_is_converted_once_and_again_when_it_changes(tmp_path, own_state_dir, monkeypatch):
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "once.gguf")
+    first = resolve_model_path(str(path))
+    assert converted_folders() == [first]
+
+    def no_second_conversion(*args):
+        raise AssertionError("converted again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_checkpoint, "convert_gguf", no_second_conversion)
+        assert resolve_model_path(str(path)) == first
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file was replaced
+    second = resolve_model_path(str(path))
+    assert second != first and sorted(converted_folders()) == sorted([first, second])
+
+
+def test_an_ollama_blob_without_an_extension_is_read_as_gguf(tmp_path):
+    model = tiny_gguf_model("qwen2_moe", seed=2)
+    blobs = tmp_path / "ollama" / "models" / "blobs"
+    blobs.mkdir(parents=True)
+    blob = write_gguf(model, blobs / ("sha256-" + "ab" * 32))
+    engine = load(blob, 4)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+
+
+def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
+    folder, name = gguf_location()  # SmolLM2-135M: a dense llama model
+    with pytest.raises(CheckpointError, match=r"'llama'.*not a Mixture-of-Experts family moe-serve serves"):
+        resolve_model_path(str(folder / name))
+    assert converted_folders() == []  # nothing half-written is left
+
+
+def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, own_state_dir):
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "whole.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        resolve_model_path(str(cut))
+    assert converted_folders() == []
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\x80\x02 not a model")
+    with pytest.raises(CheckpointError, match="neither a model folder nor a GGUF file"):
+        resolve_model_path(str(other))
+
+
+def test_too_little_disk_space_is_said_before_writing(tmp_path, own_state_dir, monkeypatch):
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "big.gguf")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(CheckpointError, match=r"needs .* GiB .* MOE_SERVE_STATE_DIR"):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
+
+
+def test_the_server_answers_from_a_gguf_file(tmp_path):
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "served.gguf")
+    with RemoteServer(["--model", str(path), "--served-model-name", "tiny-gguf", "--device", "cpu"],
+                      env={"OMP_NUM_THREADS": "1"}) as srv, srv.http() as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-gguf"]
+        reply = http.post("/v1/chat/completions", json={
+            "model": "tiny-gguf", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+            "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["message"]["content"]
