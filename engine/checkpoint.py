@@ -37,6 +37,7 @@ from cache.policy import ExpertKey
 from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_grid
 from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
+from engine.gguf_checkpoint import gguf_folder, is_gguf
 from engine.moe_layers import MoELayer, interface_families
 
 
@@ -90,8 +91,6 @@ def resolve_model_path(model: str) -> Path:
     if path.is_dir():
         return path
     if path.is_file():
-        from engine.gguf_checkpoint import gguf_folder, is_gguf  # gguf-py: imported when a file is given
-
         if is_gguf(path):
             return gguf_folder(path)
         raise CheckpointError(f"{model!r} is a file, neither a model folder nor a GGUF file")

@@ -49,6 +49,7 @@ from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.fim import ExtraFiles, detect_fim, fim_prompt_ids
+from engine.gguf_checkpoint import gguf_expert_dtype
 from engine.host_memory import available_ram_bytes
 from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
@@ -654,15 +655,18 @@ def _quant_request(config: EngineConfig, folder: Path, device: torch.device) -> 
     """`--expert-dtype int8|int4`, or any expert dtype of a checkpoint published quantized (FP8, MXFP4): which
     form, and its file under the state folder (one per form and device)."""
     published = published_format(read_config_dict(folder), folder / "config.json")
-    if config.expert_dtype not in QUANT_DTYPES and published is None:
+    wanted = config.expert_dtype
+    if wanted == "auto":
+        wanted = gguf_expert_dtype(folder) or wanted  # a GGUF file's 4- or 8-bit experts stay that small
+    if wanted not in QUANT_DTYPES and published is None:
         return None  # auto, bf16: the checkpoint's weights in --dtype
-    group = DEFAULT_GROUP_SIZE.get(config.expert_dtype, 0) if config.expert_group_size is None else config.expert_group_size
+    group = DEFAULT_GROUP_SIZE.get(wanted, 0) if config.expert_group_size is None else config.expert_group_size
     digest = checkpoint_digest(folder)
-    form = f"{config.expert_dtype}-g{group or 'channel'}-{device.type}"
-    if config.expert_dtype not in QUANT_DTYPES:  # the published bytes (auto), or decoded into --dtype (bf16)
-        form = f"{published.method}-{config.expert_dtype}-{device.type}"
+    form = f"{wanted}-g{group or 'channel'}-{device.type}"
+    if wanted not in QUANT_DTYPES:  # the published bytes (auto), or decoded into --dtype (bf16)
+        form = f"{published.method}-{wanted}-{device.type}"
     path = default_quant_path(f"{config.model or DEMO_MODEL_NAME}|{digest}", form)
-    return QuantRequest(config.expert_dtype, group, path, digest)
+    return QuantRequest(wanted, group, path, digest)
 
 
 def _eamc_saver(engine: Engine, policy) -> EAMCAutosaver:

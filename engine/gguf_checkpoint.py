@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from collections import Counter
@@ -20,14 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import init_empty_weights
-from gguf import GGUFReader, dequantize
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
-from transformers.modeling_gguf_pytorch_utils import (
-    TENSOR_PROCESSORS,
-    TensorProcessor,
-    get_gguf_hf_weights_map,
-)
 
 from cache.safetensors_index import CheckpointError
 from engine.moe_layers import interface_families
@@ -46,6 +41,13 @@ MISSED_CONFIG_KEYS = {
                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
 }
+
+
+# bits per weight of GGUF's quantized types, rounded down to the nearest form moe-serve has (4 or 8)
+GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                              "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"), 4),
+             **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
+EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?P<weight>gate|up|down)_exps\.weight")
 
 
 def is_gguf(path: Path) -> bool:
@@ -87,6 +89,13 @@ def convert_gguf(source: Path, out: Path) -> None:
     biases) are float32. The config's dtype, the compute dtype `--dtype auto` picks on a GPU, is float32 if the
     file's matrices all are, else bfloat16.
     """
+    from gguf import GGUFReader, dequantize  # gguf-py and its transformers glue: imported only to convert
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
     try:
         reader = GGUFReader(source)
         arch = str(reader.fields["general.architecture"].contents())
@@ -132,8 +141,9 @@ def convert_gguf(source: Path, out: Path) -> None:
         log.warning("GGUF %s: %d tensors not used by %s (%s)", source, len(unused), config.model_type,
                     ", ".join(unused[:5]))
     _save_companions(source, config, out)
-    (out / DONE_MARKER).write_text(json.dumps({"source": str(source), "architecture": arch,
-                                              "converter": CONVERTER_VERSION}))
+    marker = {"source": str(source), "architecture": arch, "converter": CONVERTER_VERSION,
+              "expert_types": _expert_types(reader)}
+    (out / DONE_MARKER).write_text(json.dumps(marker))
     log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
              writer.bytes_written / 2**30)
 
@@ -153,6 +163,32 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
         raise CheckpointError(f"{source}: a {config.model_type!r} model ({arch!r} in GGUF), not a Mixture-of-Experts "
                               f"family moe-serve serves ({', '.join(interface_families())})")
     return config
+
+
+def gguf_expert_dtype(folder: Path) -> str | None:
+    """The expert form (`--expert-dtype`) nearest to how the GGUF file that `folder` was converted from stored
+    its experts: `int4` where gate, up and down have at most 4 bits, `int4-mixed` where only down has more (as
+    in llama.cpp's Q4_K_M), `int8` where gate or up have more; None for float experts or another folder."""
+    try:
+        types = json.loads((folder / DONE_MARKER).read_text())["expert_types"]
+    except (OSError, ValueError, KeyError):
+        return None
+    bits = {weight: max((GGUF_BITS.get(name, 16) for name in names), default=16) for weight, names in types.items()}
+    gate_up = max(bits.get("gate", 16), bits.get("up", 16))
+    if gate_up > 8 or not types:
+        return None
+    if gate_up > 4:
+        return "int8"
+    return "int4" if bits.get("down", 16) <= 4 else "int4-mixed"
+
+
+def _expert_types(reader) -> dict[str, list[str]]:
+    """The GGUF types of the expert tensors, by weight (`gate`, `up`, `down`)."""
+    types: dict[str, set[str]] = {}
+    for tensor in reader.tensors:
+        if m := EXPERT_TENSOR.fullmatch(tensor.name):
+            types.setdefault(m["weight"], set()).add(tensor.tensor_type.name)
+    return {weight: sorted(names) for weight, names in types.items()}
 
 
 def storage_dtype(tensor) -> torch.dtype:

@@ -2,6 +2,7 @@
 identical to the model they were written from, with the file's tokenizer and chat template; what cannot be
 served is refused by name, and nothing half-converted is left behind."""
 
+import json
 import os
 import shutil
 from collections import namedtuple
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 import engine.gguf_checkpoint as gguf_checkpoint
+from cache.quant import dequantize, quantize
 from cache.safetensors_index import CheckpointError
 from engine.api import GenerationRequest, SamplingParams
 from engine.checkpoint import resolve_model_path
@@ -41,8 +43,9 @@ def transformers_greedy(model: torch.nn.Module, prompt_ids: list[int]) -> list[i
     return out[0, len(prompt_ids):].tolist()
 
 
-def load(path, slots: int) -> Engine:
-    return Engine.load(EngineConfig(model=str(path), device="cpu", policy="lru", expert_cache_experts=slots))
+def load(path, slots: int, expert_dtype: str = "auto") -> Engine:
+    return Engine.load(EngineConfig(model=str(path), device="cpu", policy="lru", expert_cache_experts=slots,
+                                    expert_dtype=expert_dtype))
 
 
 def converted_folders():
@@ -84,7 +87,7 @@ def test_quantized_experts_are_read_as_the_file_holds_them(expert_type, tmp_path
     original = model.state_dict()["model.layers.1.mlp.experts.down_proj"]
     assert not torch.equal(down.float(), original)  # really quantized: the test would catch a float copy
 
-    engine = load(path, 3)
+    engine = load(path, 3, expert_dtype="bf16")  # the float path (auto would quantize again: below)
     prompt_ids = engine.encode(PROMPT)
     assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
 
@@ -175,3 +178,45 @@ def test_the_server_answers_from_a_gguf_file(tmp_path):
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("types", "form"), [
+    ({"gate": ["Q4_K"], "up": ["Q4_K"], "down": ["Q4_K"]}, "int4"),
+    ({"gate": ["Q4_K"], "up": ["Q4_K"], "down": ["Q4_K", "Q6_K"]}, "int4-mixed"),  # llama.cpp's Q4_K_M
+    ({"gate": ["Q5_K"], "up": ["Q5_K"], "down": ["Q6_K"]}, "int8"),
+    ({"gate": ["Q8_0"], "up": ["Q8_0"], "down": ["Q8_0"]}, "int8"),
+    ({"gate": ["IQ2_XXS"], "up": ["IQ2_XXS"], "down": ["Q4_K"]}, "int4"),
+    ({"gate": ["F16"], "up": ["F16"], "down": ["F16"]}, None),
+    ({"gate": ["BF16"], "up": ["BF16"], "down": ["Q8_0"]}, None),
+])
+def test_auto_keeps_a_gguf_files_experts_about_as_small_as_the_file_has_them(types, form, tmp_path):
+    (tmp_path / gguf_checkpoint.DONE_MARKER).write_text(json.dumps({"expert_types": types}))
+    assert gguf_checkpoint.gguf_expert_dtype(tmp_path) == form
+
+
+def test_a_folder_not_converted_from_gguf_has_no_gguf_form(tmp_path):
+    assert gguf_checkpoint.gguf_expert_dtype(tmp_path) is None
+
+
+def test_a_4_bit_files_experts_are_served_in_4_bits_on_the_files_own_grid(tmp_path):
+    model = tiny_gguf_model("qwen3_moe", seed=3)
+    path = write_gguf(model, tmp_path / "q41.gguf", "Q4_1")
+    engine = load(path, 3)
+    assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == "int4"
+    prompt_ids = engine.encode(PROMPT)
+    assert len(greedy(engine, prompt_ids)) == NEW_TOKENS
+    as_float = load(path, 3, expert_dtype="bf16")
+    assert as_float.loaded.quant is None
+    assert engine.loaded.host.bytes_per_expert * 3 < as_float.loaded.host.bytes_per_expert
+
+    # Q4_1 is asymmetric groups of 32 along each row, as int4 g32 is: quantizing the file's values again finds
+    # its grid (bf16 scales aside), where quantizing the original float weights loses ~8% of them
+    with safe_open(engine.loaded.folder / "model-00001.safetensors", "pt") as f:
+        from_file = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj")[0].float()  # [2I, H]
+    original = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"][0]
+
+    def int4_error(weight: torch.Tensor) -> float:
+        again = dequantize(*quantize(weight, "int4", 32, torch.bfloat16), torch.float32)
+        return ((again - weight).norm() / weight.norm()).item()
+
+    assert int4_error(from_file) < int4_error(original) / 10
