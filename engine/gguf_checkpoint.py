@@ -22,7 +22,21 @@ import numpy as np
 import torch
 from accelerate import init_empty_weights
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    MixtralConfig,
+    PretrainedConfig,
+)
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    LlamaTensorProcessor,
+    Qwen2MoeTensorProcessor,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+)
 
 from cache.safetensors_index import CheckpointError
 from engine.moe_layers import interface_families
@@ -89,12 +103,7 @@ def convert_gguf(source: Path, out: Path) -> None:
     biases) are float32. The config's dtype, the compute dtype `--dtype auto` picks on a GPU, is float32 if the
     file's matrices all are, else bfloat16.
     """
-    from gguf import GGUFReader, dequantize  # gguf-py and its transformers glue: imported only to convert
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from gguf import GGUFReader, dequantize  # imported only to convert: it takes a quarter of a second
 
     try:
         reader = GGUFReader(source)
@@ -109,8 +118,9 @@ def convert_gguf(source: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name (a merged one without `.weight`) → ours
+    processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
+    processor = (processor_class or TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF tensor name (a merged one without `.weight`) → ours
     target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t in reader.tensors}
     parts = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
     merging: dict[str, dict] = {"tensors": {}}  # where the processor assembles merged expert tensors
@@ -155,6 +165,8 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one transformers reads ({e}); "
                               f"serve the model's Hugging Face checkpoint instead") from None
+    if arch == "llama" and f"{arch}.expert_count" in reader.fields:
+        config = mixtral_config(config, reader)
     for key, attribute in MISSED_CONFIG_KEYS.get(arch, {}).items():
         field = reader.fields.get(f"{arch}.{key}")
         if field is not None:
@@ -196,6 +208,25 @@ def storage_dtype(tensor) -> torch.dtype:
     if len(tensor.shape) == 1:
         return torch.float32
     return {"F32": torch.float32, "BF16": torch.bfloat16}.get(tensor.tensor_type.name, torch.float16)
+
+
+def mixtral_config(llama: PretrainedConfig, reader) -> MixtralConfig:
+    """llama.cpp stores Mixtral as a llama with experts; transformers reads it as a dense llama."""
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+            "tie_word_embeddings")
+    return MixtralConfig(**{key: getattr(llama, key) for key in same if getattr(llama, key, None) is not None},
+                         num_local_experts=int(reader.fields["llama.expert_count"].contents()),
+                         num_experts_per_tok=int(reader.fields["llama.expert_used_count"].contents()))
+
+
+class MixtralTensorProcessor(Qwen2MoeTensorProcessor):
+    """Mixtral as llama.cpp writes it: llama's permuted q/k rows, experts merged per layer as Qwen-MoE's are."""
+
+    def process(self, weights, name: str, **kwargs):
+        if ".attn_q." in name or ".attn_k." in name:
+            return LlamaTensorProcessor(self.config).process(weights, name, **kwargs)
+        return super().process(weights, name, **kwargs)
 
 
 class ShardWriter:
