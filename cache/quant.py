@@ -5,7 +5,8 @@ zero point, and integers `q` such that `w ≈ q * scale + zero`, so every elemen
 `scale / 2` (plus the rounding of the zero point to the scale dtype):
 - int8: symmetric, `scale = max |w| / 127`, zero 0, `q` in -127..127 (the int8 kernel has no zero point).
 - int4: asymmetric, `scale = (max w - min w) / 15`, `zero = min w + 8 * scale`, `q` in -8..7: all 16
-  levels span the group's own range. The int4 kernels take a zero point beside each scale at no cost,
+  levels span the group's own range; a group whose values already lie on 16 evenly spaced levels (a 4-bit
+  GGUF file's, which need not reach the group's max) keeps that grid's step instead (`grid_step`). The int4 kernels take a zero point beside each scale at no cost,
   and a symmetric grid wastes a level and half the range on groups that are not centred (on the demo
   model, whose weights come from an asymmetric Q4_1 GGUF, the grids coincide: bench/RESULTS.md).
 
@@ -158,6 +159,8 @@ def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dty
     else:
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [O, G]
         scales = (high - low) / (QMAX["int4"] - QMIN["int4"])
+        step, on_grid = grid_step(grouped, low)  # a 4-bit GGUF file's groups keep their own grid
+        scales = torch.where(on_grid, step, scales)
         zeros = torch.where(scales > 0, low - QMIN["int4"] * scales, low)  # a constant group: q = 0 gives it
     scales = scales.to(scale_dtype)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: any scale
@@ -165,6 +168,26 @@ def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dty
     q = torch.round((grouped - zeros.float()[..., None]) / scales.float()[..., None])
     q = q.clamp(QMIN[expert_dtype], QMAX[expert_dtype])
     return q.to(torch.int8).reshape(out_f, in_f), scales, zeros
+
+
+def grid_step(grouped: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups `[O, G, g]` whose values already lie on 16 evenly spaced levels from their lowest, `low [O, G]`
+    (a 4-bit GGUF file's, dequantized): their step and which groups those are.
+
+    Such a grid need not reach 15 steps above `low` (Q4_K's levels are fitted, not the group's min and max; Q4_0's
+    are symmetric about 0), and then the min/max grid would round every value a second time. The step is the
+    smallest gap between distinct values, refitted by least squares; a group qualifies when every value lies
+    within 5% of a step of a level and the highest level is at most 15. Float weights never do.
+    """
+    offsets = grouped - low[..., None]
+    gaps = offsets.sort(dim=-1).values.diff(dim=-1)
+    same_level = offsets.amax(dim=-1, keepdim=True) * 1e-3  # fp16 rounding of equal values
+    smallest = torch.where(gaps > same_level, gaps, torch.inf).amin(dim=-1)  # [O, G]
+    levels = torch.round(offsets / smallest[..., None])
+    step = (levels * offsets).sum(dim=-1) / (levels * levels).sum(dim=-1).clamp_min(1)
+    residual = (offsets - levels * step[..., None]).abs().amax(dim=-1)
+    on_grid = torch.isfinite(smallest) & (levels.amax(dim=-1) <= QMAX["int4"] - QMIN["int4"]) & (residual <= 0.05 * step)
+    return step, on_grid
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

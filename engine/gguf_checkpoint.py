@@ -49,6 +49,8 @@ CONVERTER_VERSION = 1  # part of the folder's identity: a new version converts a
 SHARD_BYTES = 2 << 30
 DONE_MARKER = "moe-serve-gguf.json"  # written last: a folder without it is an interrupted conversion
 
+# the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama")
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -160,6 +162,9 @@ def convert_gguf(source: Path, out: Path) -> None:
 
 def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
     """The model's config as transformers reads it from the file, with the expert sizes it misses."""
+    if arch not in CONVERTED_ARCHS:
+        raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one moe-serve converts (it converts "
+                              f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:

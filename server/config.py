@@ -134,7 +134,8 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--model", EngineConfig, str, "local Hugging Face folder or hub id", "PATH|ID",
+    Flag("--model", EngineConfig, str, "local Hugging Face folder, GGUF file (llama.cpp, Ollama; converted once) or "
+         "hub id", "PATH|ID",
          default_text="the built-in demo model, built locally on first use"),
     Flag("--served-model-name", EngineConfig, str, "the model id clients send and /v1/models lists; several, "
          "separated by commas, are all accepted", "NAME[,NAME...]",

@@ -142,6 +142,18 @@ def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
     assert converted_folders() == []  # nothing half-written is left
 
 
+def test_an_architecture_not_converted_is_refused_by_name(tmp_path, own_state_dir):
+    writer = gguf.GGUFWriter(tmp_path / "oss.gguf", "gpt-oss")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt-oss' is not one moe-serve converts"):
+        resolve_model_path(str(tmp_path / "oss.gguf"))
+    assert converted_folders() == []
+
+
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, own_state_dir):
     path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "whole.gguf")
     cut = tmp_path / "cut.gguf"

@@ -21,6 +21,7 @@ from cache.quant import (
     ParamSpec,
     QuantLayout,
     dequantize,
+    grid_step,
     group_size_for,
     int_dtype_of,
     pack_expert,
@@ -240,3 +241,40 @@ def _symmetric_int4(w: torch.Tensor, group: int) -> torch.Tensor:
     grouped = w.reshape(w.shape[0], -1, group)
     scale = grouped.abs().amax(-1, keepdim=True) / 7
     return (torch.round(grouped / scale).clamp(-8, 7) * scale).reshape(w.shape)
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _int4_again(weight: torch.Tensor) -> torch.Tensor:
+    return dequantize(*quantize(weight, "int4", 32, torch.bfloat16), torch.float32)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1"])
+def test_int4_finds_a_4_bit_gguf_files_grid_again(gguf_type):
+    import gguf
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    kind = gguf.GGMLQuantizationType[gguf_type]
+    from_file = torch.from_numpy(gguf.dequantize(gguf.quants.quantize(weight.numpy(), kind), kind)).half().float()
+    # quantizing the file's values adds about what bf16 scales round (0.2%), not a second 4-bit rounding (8%)
+    assert _relative_error(_int4_again(from_file), from_file) < 0.005
+    assert _relative_error(_int4_again(weight), weight) > 0.05
+
+
+def test_int4_finds_fitted_grids_that_miss_their_extreme_levels():
+    # Q4_K-like groups: d * q - m with q bell-shaped in 0..15, so many groups lack level 0 or 15
+    gen = torch.Generator().manual_seed(1)
+    d, m = torch.rand(64, 8, 1, generator=gen) * 0.1 + 0.05, torch.rand(64, 8, 1, generator=gen)
+    q = torch.clamp(torch.round(torch.randn(64, 8, 32, generator=gen) * 3 + 7.5), 0, 15)
+    assert ((q.amin(-1) > 0) | (q.amax(-1) < 15)).float().mean() > 0.2
+    fitted = (d * q - m).reshape(64, 256).half().float()
+    assert _relative_error(_int4_again(fitted), fitted) < 0.005
+
+
+def test_float_weights_are_never_taken_for_a_grid():
+    weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+    grouped = weight.reshape(256, 8, 32)
+    _, on_grid = grid_step(grouped, grouped.amin(dim=-1))
+    assert not on_grid.any()
