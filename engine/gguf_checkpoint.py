@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,8 @@ MISSED_CONFIG_KEYS = {
 GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                               "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"), 4),
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
+SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")  # llama.cpp's gguf-split
+DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?P<weight>gate|up|down)_exps\.weight")
 
 
@@ -75,18 +79,22 @@ def is_gguf(path: Path) -> bool:
 
 
 def gguf_folder(source: Path) -> Path:
-    """The Hugging Face folder converted from the GGUF file `source` (converted now unless an earlier start did)."""
-    source = source.expanduser().resolve()
-    stat = source.stat()
-    folder = default_gguf_folder(source, f"{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}")
+    """The Hugging Face folder converted from the GGUF file `source` (converted now unless an earlier start did).
+
+    `source` may be any part of a model split by llama.cpp's gguf-split (`NAME-00001-of-00003.gguf`): all parts
+    are converted together.
+    """
+    parts = split_parts(source.expanduser().resolve())
+    version = "|".join(f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in parts)
+    folder = default_gguf_folder(parts[0], f"{version}|v{CONVERTER_VERSION}")
     if (folder / DONE_MARKER).is_file():
-        log.info("GGUF %s: using its conversion in %s", source, folder)
+        log.info("GGUF %s: using its conversion in %s", parts[0], folder)
         return folder
     partial = folder.with_name(f"{folder.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted conversion: start over
     partial.mkdir(parents=True)
     try:
-        convert_gguf(source, partial)
+        convert_gguf(parts, partial)
         if folder.exists():  # another process converted the same file meanwhile
             shutil.rmtree(partial)
         else:
@@ -97,67 +105,112 @@ def gguf_folder(source: Path) -> Path:
     return folder
 
 
-def convert_gguf(source: Path, out: Path) -> None:
-    """Write `source`'s config, tokenizer, generation config and weights into the empty folder `out`.
+def split_parts(source: Path) -> list[Path]:
+    """Every file of the model `source` belongs to, in order: itself, or all parts of a split model."""
+    m = SPLIT_NAME.fullmatch(source.name)
+    if m is None:
+        return [source]
+    count = int(m["count"])
+    parts = [source.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{source} is one of {count} parts of a split GGUF model; missing beside it: "
+                              f"{', '.join(missing)}")
+    return parts
+
+
+def convert_gguf(parts: list[Path], out: Path) -> None:
+    """Write the config, tokenizer, generation config and weights of the GGUF file `parts` (one, or the parts
+    of a split model) into the empty folder `out`.
 
     Each tensor keeps its float type (F32, F16, BF16); a quantized one is dequantized into float16, which holds
     its values (fp16 scales times small integers) more closely than bf16. One-dimensional tensors (norms,
     biases) are float32. The config's dtype, the compute dtype `--dtype auto` picks on a GPU, is float32 if the
-    file's matrices all are, else bfloat16.
+    file's matrices all are, else bfloat16. Expert tensors (`ffn_{gate,up,down}_exps`) are dequantized straight
+    into the model's fused `gate_up_proj [E, 2I, H]` (gate rows first) and `down_proj [E, H, I]`.
     """
-    from gguf import GGUFReader, dequantize  # imported only to convert: it takes a quarter of a second
+    from gguf import GGUFReader  # imported only to convert: it takes a quarter of a second
 
+    source = parts[0]
     try:
-        reader = GGUFReader(source)
-        arch = str(reader.fields["general.architecture"].contents())
+        readers = [GGUFReader(part) for part in parts]
+        arch = str(readers[0].fields["general.architecture"].contents())
     except (ValueError, KeyError, OSError) as e:
         raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
-    config = gguf_config(source, reader, arch)
-    matrices = [t for t in reader.tensors if len(t.shape) > 1]
+    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    config = gguf_config(source, readers[0], arch)
+    config.tie_word_embeddings = all(t.name != "output.weight" for t in tensors)  # in any part
+    matrices = [t for t in tensors if len(t.shape) > 1]
     config.dtype = torch.float32 if all(t.tensor_type.name == "F32" for t in matrices) else torch.bfloat16
-    _check_free_space(out, sum(int(t.n_elements) * storage_dtype(t).itemsize for t in reader.tensors))
+    _check_free_space(out, sum(int(t.n_elements) * storage_dtype(t).itemsize for t in tensors))
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
     processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
     processor = (processor_class or TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF tensor name (a merged one without `.weight`) → ours
-    target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t in reader.tensors}
-    parts = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
-    merging: dict[str, dict] = {"tensors": {}}  # where the processor assembles merged expert tensors
-    seen: Counter[str] = Counter()
+    names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name (merged: no `.weight`) → ours
+    target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t in tensors}
+    parts_of = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
+    left = parts_of.copy()
+    fused: dict[str, torch.Tensor] = {}  # expert parameters being filled
     writer = ShardWriter(out)
     started, unused = time.monotonic(), []
-    log.info("GGUF %s (%s, %d tensors): converting into %s, once", source, arch, len(reader.tensors), out)
-    for i, tensor in enumerate(reader.tensors):
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
-                                   parsed_parameters=merging)
-        target = target_of[tensor.name]
-        if result.name is None and target:  # merged into `merging` by the processor
-            seen[target] += 1
-            if seen[target] == parts[target]:
-                writer.add(target, merging["tensors"].pop(target).to(storage_dtype(tensor)), expected)
-        elif result.name in names:
-            weights = torch.from_numpy(np.array(result.weights)).to(storage_dtype(tensor))
-            writer.add(names[result.name], weights, expected)
-        else:
-            unused.append(tensor.name)
-        if (i + 1) % 50 == 0:
-            log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(reader.tensors),
-                     writer.bytes_written / 2**30, time.monotonic() - started)
+    log.info("GGUF %s (%s, %d tensors in %d files): converting into %s, once", source, arch, len(tensors),
+             len(parts), out)
+    with ThreadPoolExecutor(DEQUANTIZE_THREADS) as pool:
+        for i, tensor in enumerate(tensors):
+            target = target_of[tensor.name]
+            if target is None:
+                unused.append(tensor.name)
+            elif m := EXPERT_TENSOR.fullmatch(tensor.name):
+                if target not in expected:
+                    raise CheckpointError(f"{source}: {tensor.name} maps to {target}, which {config.model_type} lacks")
+                whole = fused.setdefault(target, torch.empty(expected[target], dtype=storage_dtype(tensor)))
+                rows = whole.shape[1] // parts_of[target]  # gate_up: gate's rows, then up's
+                into = whole.narrow(1, rows if m["weight"] == "up" else 0, rows)
+                weights = torch.from_numpy(dequantize_parallel(tensor, pool))
+                if weights.shape != into.shape:
+                    raise CheckpointError(f"{source}: {tensor.name} has shape {tuple(weights.shape)}, "
+                                          f"{config.model_type} expects {tuple(into.shape)} of {target}")
+                into.copy_(weights)
+                left[target] -= 1
+                if left[target] == 0:
+                    writer.add(target, fused.pop(target), expected)
+            else:
+                result = processor.process(weights=dequantize_parallel(tensor, pool), name=tensor.name)
+                weights = torch.from_numpy(np.ascontiguousarray(result.weights)).to(storage_dtype(tensor))
+                writer.add(target, weights, expected)
+            if (i + 1) % 50 == 0:
+                log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(tensors),
+                         writer.bytes_written / 2**30, time.monotonic() - started)
     writer.close()
     _check_complete(source, writer.written, expected, config)
     if unused:
         log.warning("GGUF %s: %d tensors not used by %s (%s)", source, len(unused), config.model_type,
                     ", ".join(unused[:5]))
     _save_companions(source, config, out)
-    marker = {"source": str(source), "architecture": arch, "converter": CONVERTER_VERSION,
-              "expert_types": _expert_types(reader)}
+    marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
+              "expert_types": _expert_types(tensors)}
     (out / DONE_MARKER).write_text(json.dumps(marker))
     log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
              writer.bytes_written / 2**30)
+
+
+def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
+    """A GGUF tensor as float32 `[..., columns]`, its rows decoded by `pool`'s threads (numpy releases the GIL)."""
+    from gguf import dequantize
+
+    data = tensor.data  # [..., row bytes] memory-mapped; a float type's values as they are
+    out = np.empty((*data.shape[:-1], int(tensor.shape[0])), dtype=np.float32)  # GGUF shapes list columns first
+    flat_in, flat_out = data.reshape(-1, data.shape[-1]), out.reshape(-1, out.shape[-1])
+    step = max(1, -(-len(flat_in) // (4 * DEQUANTIZE_THREADS)))
+
+    def decode(start: int) -> None:
+        flat_out[start:start + step] = dequantize(flat_in[start:start + step], tensor.tensor_type)
+
+    list(pool.map(decode, range(0, len(flat_in), step)))
+    return out
 
 
 def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
@@ -199,10 +252,10 @@ def gguf_expert_dtype(folder: Path) -> str | None:
     return "int4" if bits.get("down", 16) <= 4 else "int4-mixed"
 
 
-def _expert_types(reader) -> dict[str, list[str]]:
+def _expert_types(tensors) -> dict[str, list[str]]:
     """The GGUF types of the expert tensors, by weight (`gate`, `up`, `down`)."""
     types: dict[str, set[str]] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if m := EXPERT_TENSOR.fullmatch(tensor.name):
             types.setdefault(m["weight"], set()).add(tensor.tensor_type.name)
     return {weight: sorted(names) for weight, names in types.items()}

@@ -232,3 +232,24 @@ def test_a_4_bit_files_experts_are_served_in_4_bits_on_the_files_own_grid(tmp_pa
         return ((again - weight).norm() / weight.norm()).item()
 
     assert int4_error(from_file) < int4_error(original) / 10
+
+
+def test_a_split_model_is_served_from_any_of_its_parts(tmp_path, own_state_dir):
+    model = tiny_gguf_model("qwen3_moe", seed=4)
+    first = write_gguf(model, tmp_path / "split.gguf", split_max_tensors=8)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) >= 3 and first == parts[0]
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(first).tensors}  # only metadata in part 1
+    engine = load(parts[2], 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert resolve_model_path(str(first)) == engine.loaded.folder and len(converted_folders()) == 1
+
+
+def test_a_missing_part_of_a_split_model_is_named(tmp_path, own_state_dir):
+    first = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "gap.gguf", split_max_tensors=8)
+    gone = sorted(tmp_path.glob("gap-*-of-*.gguf"))[-1]
+    gone.unlink()
+    with pytest.raises(CheckpointError, match=f"missing beside it: {gone.name}"):
+        resolve_model_path(str(first))
+    assert converted_folders() == []
