@@ -37,7 +37,7 @@ from cache.policy import ExpertKey
 from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_grid
 from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
-from engine.gguf_checkpoint import gguf_folder, is_gguf
+from engine.gguf_checkpoint import fetch_hub_gguf, gguf_folder, gguf_models, is_gguf
 from engine.moe_layers import MoELayer, interface_families
 
 
@@ -94,6 +94,9 @@ def resolve_model_path(model: str) -> Path:
         if is_gguf(path):
             return gguf_folder(path)
         raise CheckpointError(f"{model!r} is a file, neither a model folder nor a GGUF file")
+    hub_gguf = HUB_GGUF.fullmatch(model)
+    if hub_gguf and not path.exists() and is_hub_id(hub_gguf["repo"]):
+        return gguf_folder(fetch_hub_gguf(hub_gguf["repo"], hub_gguf["quant"]))
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise CheckpointError(f"model folder {model!r} does not exist")
     if not is_hub_id(model):  # its cache folder is named after it: it must stay inside the hub cache
@@ -102,14 +105,30 @@ def resolve_model_path(model: str) -> Path:
         from huggingface_hub import snapshot_download
 
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-        return Path(snapshot_download(model, allow_patterns=patterns))
+        folder = Path(snapshot_download(model, allow_patterns=patterns))
     except Exception as e:
         raise CheckpointError(
             f"{model!r} is not a local folder and could not be fetched from the Hugging Face hub "
             f"(offline and not in the local cache?): {type(e).__name__}: {e}"
         ) from None
+    if not (folder / "config.json").is_file() and (files := _hub_gguf_files(model)):
+        more = f" and {len(files) - 8} more" if len(files) > 8 else ""
+        raise CheckpointError(f"{model} holds GGUF files: name one of its quantizations, as in {model}:Q4_K_M "
+                              f"({', '.join(files[:8])}{more})")
+    return folder
 
 
+def _hub_gguf_files(repo: str) -> list[str]:
+    from huggingface_hub import HfApi
+
+    try:
+        return gguf_models(HfApi().list_repo_files(repo))
+    except Exception:
+        return []
+
+
+# a GGUF model on the hub, as llama.cpp's `-hf` and Ollama's `hf.co/` name one: owner/name:QUANT
+HUB_GGUF = re.compile(r"(?:(?:https://)?(?:hf\.co|huggingface\.co)/)?(?P<repo>[^/:\s]+/[^/:\s]+):(?P<quant>[^/:\s]+)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
 
 

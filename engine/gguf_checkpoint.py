@@ -84,7 +84,7 @@ def gguf_folder(source: Path) -> Path:
     `source` may be any part of a model split by llama.cpp's gguf-split (`NAME-00001-of-00003.gguf`): all parts
     are converted together.
     """
-    parts = split_parts(source.expanduser().resolve())
+    parts = split_parts(source.expanduser().absolute())  # not resolved: the hub cache links parts to blobs
     version = "|".join(f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in parts)
     folder = default_gguf_folder(parts[0], f"{version}|v{CONVERTER_VERSION}")
     if (folder / DONE_MARKER).is_file():
@@ -103,6 +103,46 @@ def gguf_folder(source: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
+
+
+def fetch_hub_gguf(repo: str, quant: str) -> Path:
+    """The GGUF file of quantization `quant` (a tag such as `Q4_K_M` in any case, or a file name) in the hub
+    repository `repo`, downloaded into the local hub cache with all its parts; its first part."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    try:
+        files = HfApi().list_repo_files(repo)
+        chosen = pick_gguf_files(files, quant, repo)
+        return [Path(hf_hub_download(repo, name)) for name in chosen][0]
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{repo}:{quant} could not be fetched from the Hugging Face hub (offline, or not a "
+                              f"repository?): {type(e).__name__}: {e}") from None
+
+
+def gguf_models(files: list[str]) -> list[str]:
+    """The GGUF files among a repository's `files` that hold language models (not vision projectors)."""
+    return sorted(f for f in files if f.endswith(".gguf") and not f.rsplit("/", 1)[-1].lower().startswith("mmproj"))
+
+
+def pick_gguf_files(files: list[str], quant: str, repo: str) -> list[str]:
+    """The files of one GGUF model in a repository's `files`: those whose name holds `quant` between separators
+    (or is `quant`), all parts of it if split; a `CheckpointError` that lists the choices otherwise."""
+    models = gguf_models(files)
+    if quant.lower().endswith(".gguf"):
+        matches = [f for f in models if quant in (f, f.rsplit("/", 1)[-1])]
+    else:
+        tag = re.compile(rf"(?:^|[-_./]){re.escape(quant)}(?:[-_./]|$)", re.IGNORECASE)
+        matches = [f for f in models if tag.search(f)]
+    whole = {re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", f) for f in matches}  # a split model's parts as one
+    if len(whole) == 1:
+        return sorted(matches)
+    if not whole:
+        listed = sorted({re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", f) for f in models})
+        raise CheckpointError(f"{repo} has no GGUF file for {quant!r}; it has: {', '.join(listed) or 'none'}")
+    raise CheckpointError(f"{repo}:{quant} matches {len(whole)} GGUF models ({', '.join(sorted(whole))}); "
+                          f"name one: {repo}:FILE.gguf")
 
 
 def split_parts(source: Path) -> list[Path]:

@@ -253,3 +253,70 @@ def test_a_missing_part_of_a_split_model_is_named(tmp_path, own_state_dir):
     with pytest.raises(CheckpointError, match=f"missing beside it: {gone.name}"):
         resolve_model_path(str(first))
     assert converted_folders() == []
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """The hub repository `owner/Tiny-GGUF`, on local disk: listing and downloads read it (no network)."""
+    import huggingface_hub
+
+    snapshot = tmp_path / "hub" / "owner--Tiny-GGUF"
+    snapshot.mkdir(parents=True)
+    downloads = []
+
+    def list_repo_files(self, repo_id, **kwargs):
+        assert repo_id == "owner/Tiny-GGUF"
+        return sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file())
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        downloads.append(filename)
+        return str(snapshot / filename)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    (snapshot / "README.md").write_text("a GGUF repository")
+    (snapshot / "mmproj-Tiny-F16.gguf").write_bytes(b"GGUF not a language model")
+    return snapshot, downloads
+
+
+def test_a_hub_gguf_is_named_as_llama_cpp_and_ollama_name_it(fake_hub, own_state_dir):
+    snapshot, downloads = fake_hub
+    model = tiny_gguf_model("qwen3_moe", seed=5)
+    write_gguf(model, snapshot / "Tiny-Q8_0.gguf", "Q8_0")
+    write_gguf(model, snapshot / "Tiny-Q4_1.gguf", "Q4_1")
+    (snapshot / "F32").mkdir()
+    write_gguf(model, snapshot / "F32" / "Tiny-F32.gguf", split_max_tensors=10)
+    folder = resolve_model_path("owner/Tiny-GGUF:q8_0")
+    assert downloads == ["Tiny-Q8_0.gguf"]
+    assert resolve_model_path("hf.co/owner/Tiny-GGUF:Q8_0") == folder
+    downloads.clear()
+    engine = load("owner/Tiny-GGUF:F32", 3)  # a split model in a folder of the repository: every part fetched
+    assert downloads == sorted(f"F32/{p.name}" for p in (snapshot / "F32").glob("*.gguf")) and len(downloads) > 1
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+
+
+def test_a_quantization_the_hub_repo_lacks_is_refused_with_what_it_has(fake_hub):
+    snapshot, downloads = fake_hub
+    (snapshot / "Tiny-Q8_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=r"owner/Tiny-GGUF has no GGUF file for 'Q5_K_M'; it has: Tiny-Q8_0.gguf$"):
+        resolve_model_path("owner/Tiny-GGUF:Q5_K_M")
+    assert downloads == []
+
+
+def test_two_models_of_one_quantization_are_told_apart_by_file_name():
+    files = ["X-Q4_K_M.gguf", "X-UD-Q4_K_M.gguf", "X-Q8_0.gguf", "README.md"]
+    with pytest.raises(CheckpointError, match=r"matches 2 GGUF models .* name one: o/r:FILE.gguf"):
+        gguf_checkpoint.pick_gguf_files(files, "Q4_K_M", "o/r")
+    assert gguf_checkpoint.pick_gguf_files(files, "X-UD-Q4_K_M.gguf", "o/r") == ["X-UD-Q4_K_M.gguf"]
+
+
+def test_a_hub_gguf_repository_without_a_quantization_says_how_to_name_one(fake_hub, monkeypatch):
+    import huggingface_hub
+
+    snapshot, _ = fake_hub
+    (snapshot / "Tiny-Q8_0.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kwargs: str(snapshot))
+    with pytest.raises(CheckpointError, match=r"owner/Tiny-GGUF holds GGUF files: name one of its quantizations, "
+                                              r"as in owner/Tiny-GGUF:Q4_K_M \(Tiny-Q8_0.gguf\)$"):
+        resolve_model_path("owner/Tiny-GGUF")
