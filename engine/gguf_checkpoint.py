@@ -66,6 +66,7 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
                               "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"), 4),
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
 SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")  # llama.cpp's gguf-split
+END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?P<weight>gate|up|down)_exps\.weight")
 
@@ -229,7 +230,7 @@ def convert_gguf(parts: list[Path], out: Path) -> None:
     if unused:
         log.warning("GGUF %s: %d tensors not used by %s (%s)", source, len(unused), config.model_type,
                     ", ".join(unused[:5]))
-    _save_companions(source, config, out)
+    _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
               "expert_types": _expert_types(tensors)}
     (out / DONE_MARKER).write_text(json.dumps(marker))
@@ -380,12 +381,17 @@ def _check_complete(source: Path, written: dict[str, str], expected: dict[str, t
                               f"checkpoint instead")
 
 
-def _save_companions(source: Path, config: PretrainedConfig, out: Path) -> None:
-    """Config, tokenizer (with the file's chat template) and generation config."""
+def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) -> None:
+    """Config, tokenizer (with the file's chat template) and generation config, which stops at every id that
+    ends a turn as llama.cpp reads the file: end of sequence, of turn, of message."""
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     for attribute in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, attribute, None) is None and getattr(tokenizer, attribute, None) is not None:
             setattr(config, attribute, getattr(tokenizer, attribute))
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
+    generation = GenerationConfig.from_model_config(config)
+    ends = [int(reader.fields[key].contents()) for key in END_ID_KEYS if key in reader.fields]
+    if ends:
+        generation.eos_token_id = sorted(set(ends), key=ends.index)
+    generation.save_pretrained(out)

@@ -107,6 +107,17 @@ def test_the_tokenizer_and_chat_template_are_the_files(tmp_path):
     assert engine.loaded.config.eos_token_id == direct.eos_token_id
 
 
+def test_generation_stops_at_each_id_the_file_says_ends_a_turn(tmp_path):
+    direct = AutoTokenizer.from_pretrained(gguf_location()[0], gguf_file=gguf_location()[1])
+    end_of_turn = direct.convert_tokens_to_ids("<|endoftext|>")
+    assert end_of_turn != direct.eos_token_id
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "eot.gguf", end_of_turn=end_of_turn)
+    folder = resolve_model_path(str(path))
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [
+        direct.eos_token_id, end_of_turn]
+    assert {direct.eos_token_id, end_of_turn} <= load(path, 16).eos_ids
+
+
 def test_a_file_is_converted_once_and_again_when_it_changes(tmp_path, own_state_dir, monkeypatch):
     path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "once.gguf")
     first = resolve_model_path(str(path))
