@@ -37,7 +37,7 @@ from cache.policy import ExpertKey
 from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_grid
 from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
-from engine.gguf_checkpoint import fetch_hub_gguf, gguf_folder, gguf_models, is_gguf
+from engine.gguf_checkpoint import fetch_hub_gguf, gguf_folder, gguf_models, is_gguf, ollama_blob
 from engine.moe_layers import MoELayer, interface_families
 
 
@@ -94,6 +94,8 @@ def resolve_model_path(model: str) -> Path:
         if is_gguf(path):
             return gguf_folder(path)
         raise CheckpointError(f"{model!r} is a file, neither a model folder nor a GGUF file")
+    if model.startswith(OLLAMA_PREFIX) and not path.exists():
+        return gguf_folder(ollama_blob(model.removeprefix(OLLAMA_PREFIX)))
     hub_gguf = HUB_GGUF.fullmatch(model)
     if hub_gguf and not path.exists() and is_hub_id(hub_gguf["repo"]):
         return gguf_folder(fetch_hub_gguf(hub_gguf["repo"], hub_gguf["quant"]))
@@ -127,6 +129,7 @@ def _hub_gguf_files(repo: str) -> list[str]:
         return []
 
 
+OLLAMA_PREFIX = "ollama:"  # a model Ollama pulled: ollama:qwen3:30b
 # a GGUF model on the hub, as llama.cpp's `-hf` and Ollama's `hf.co/` name one: owner/name:QUANT
 HUB_GGUF = re.compile(r"(?:(?:https://)?(?:hf\.co|huggingface\.co)/)?(?P<repo>[^/:\s]+/[^/:\s]+):(?P<quant>[^/:\s]+)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")

@@ -66,6 +66,7 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
                               "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"), 4),
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
 SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")  # llama.cpp's gguf-split
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?P<weight>gate|up|down)_exps\.weight")
@@ -104,6 +105,37 @@ def gguf_folder(source: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
+
+
+def ollama_blob(name: str) -> Path:
+    """The GGUF blob of the model Ollama pulled as `name` (`qwen3:30b`, `library/qwen3`, `hf.co/owner/repo:TAG`;
+    tag `latest` when none), from its manifest under `$OLLAMA_MODELS` (default `~/.ollama/models`, or the Linux
+    service's `/usr/share/ollama/.ollama/models`)."""
+    repository, _, tag = name.partition(":")
+    parts = repository.split("/")
+    host = parts[0] if "." in parts[0] and len(parts) > 1 else "registry.ollama.ai"
+    path = parts[1:] if host == parts[0] else parts
+    if len(path) == 1:
+        path = ["library", *path]
+    tried = []
+    for models in ollama_model_dirs():
+        manifest = models / "manifests" / host / Path(*path) / (tag or "latest")
+        tried.append(str(manifest))
+        if manifest.is_file():
+            layers = json.loads(manifest.read_text()).get("layers", [])
+            digests = [layer["digest"] for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER]
+            if not digests:
+                raise CheckpointError(f"Ollama's manifest {manifest} names no model layer")
+            return models / "blobs" / digests[0].replace(":", "-")
+    raise CheckpointError(f"Ollama has no model {name!r} on this machine (`ollama pull {name}` fetches it); "
+                          f"looked for {', '.join(tried)}")
+
+
+def ollama_model_dirs() -> list[Path]:
+    explicit = os.environ.get("OLLAMA_MODELS")
+    if explicit:
+        return [Path(explicit).expanduser()]
+    return [Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
 
 
 def fetch_hub_gguf(repo: str, quant: str) -> Path:

@@ -2,6 +2,7 @@
 identical to the model they were written from, with the file's tokenizer and chat template; what cannot be
 served is refused by name, and nothing half-converted is left behind."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -331,3 +332,32 @@ def test_a_hub_gguf_repository_without_a_quantization_says_how_to_name_one(fake_
     with pytest.raises(CheckpointError, match=r"owner/Tiny-GGUF holds GGUF files: name one of its quantizations, "
                                               r"as in owner/Tiny-GGUF:Q4_K_M \(Tiny-Q8_0.gguf\)$"):
         resolve_model_path("owner/Tiny-GGUF")
+
+
+def _pull_into_fake_ollama(models_dir, manifest_path: str, gguf_path) -> None:
+    """What `ollama pull` leaves: the GGUF as a blob named by its digest, a manifest listing it."""
+    blobs = models_dir / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(gguf_path.read_bytes()).hexdigest()
+    shutil.move(gguf_path, blobs / f"sha256-{digest}")
+    manifest = models_dir / "manifests" / manifest_path
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}"},
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64},
+    ]}))
+
+
+def test_a_model_ollama_pulled_is_served_by_its_ollama_name(tmp_path, monkeypatch):
+    models_dir = tmp_path / "ollama-models"
+    monkeypatch.setenv("OLLAMA_MODELS", str(models_dir))
+    model = tiny_gguf_model("qwen3_moe", seed=6)
+    _pull_into_fake_ollama(models_dir, "registry.ollama.ai/library/tiny-moe/latest", write_gguf(model, tmp_path / "a"))
+    _pull_into_fake_ollama(models_dir, "hf.co/owner/Tiny-GGUF/Q8_0", write_gguf(model, tmp_path / "b", "Q8_0"))
+    engine = load("ollama:tiny-moe", 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert resolve_model_path("ollama:tiny-moe:latest") == engine.loaded.folder
+    assert gguf_checkpoint.gguf_expert_dtype(resolve_model_path("ollama:hf.co/owner/Tiny-GGUF:Q8_0")) == "int8"
+    with pytest.raises(CheckpointError, match=r"Ollama has no model 'tiny-moe:7b' on this machine \(`ollama pull tiny-moe:7b`"):
+        resolve_model_path("ollama:tiny-moe:7b")
