@@ -37,7 +37,8 @@ from cache.policy import ExpertKey
 from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_grid
 from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
-from engine.gguf_checkpoint import fetch_hub_gguf, gguf_folder, gguf_models, is_gguf, ollama_blob
+from engine.gguf_checkpoint import gguf_folder
+from engine.gguf_sources import fetch_hub_gguf, gguf_models, is_gguf, ollama_blob
 from engine.moe_layers import MoELayer, interface_families
 
 

@@ -1,11 +1,12 @@
 """GGUF files (llama.cpp's and Ollama's format), served by converting them once into a Hugging Face folder.
 
-`--model FILE` where FILE is a GGUF file (an Ollama blob too: it is recognised by its magic bytes, not its
-name) comes here. The file's config, tokenizer and chat template are read by transformers' GGUF support; its
-tensors are read one at a time (memory-mapped by gguf-py), dequantized, renamed to the model's parameters by
-transformers' GGUF name maps and written as safetensors shards into the per-user state folder. A later start
-finds that folder by the file's path, size and modification time and loads it at once. From there on the
-experts are stored, quantized (`--expert-dtype`) and cached like those of any checkpoint.
+A GGUF model (one file or the parts of a split one, found by `engine.gguf_sources`) comes here. The file's
+config, tokenizer and chat template are read by transformers' GGUF support; its tensors are read one at a time
+(memory-mapped by gguf-py), dequantized by a pool of threads, renamed to the model's parameters by transformers'
+GGUF name maps and written as safetensors shards into the per-user state folder. A later start finds that folder
+by the files' paths, sizes and modification times and loads it at once. From there on the experts are stored,
+quantized (`--expert-dtype`; `auto` keeps a 4- or 8-bit file's experts that small) and cached like those of any
+checkpoint.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ from transformers.modeling_gguf_pytorch_utils import (
 )
 
 from cache.safetensors_index import CheckpointError
+from engine.gguf_sources import split_parts
 from engine.moe_layers import interface_families
 from engine.paths import default_gguf_folder
 
 log = logging.getLogger(__name__)
 
-GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 1  # part of the folder's identity: a new version converts again
 SHARD_BYTES = 2 << 30
 DONE_MARKER = "moe-serve-gguf.json"  # written last: a folder without it is an interrupted conversion
@@ -65,19 +66,9 @@ MISSED_CONFIG_KEYS = {
 GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                               "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"), 4),
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
-SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")  # llama.cpp's gguf-split
-OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?P<weight>gate|up|down)_exps\.weight")
-
-
-def is_gguf(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def gguf_folder(source: Path) -> Path:
@@ -105,91 +96,6 @@ def gguf_folder(source: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
-
-
-def ollama_blob(name: str) -> Path:
-    """The GGUF blob of the model Ollama pulled as `name` (`qwen3:30b`, `library/qwen3`, `hf.co/owner/repo:TAG`;
-    tag `latest` when none), from its manifest under `$OLLAMA_MODELS` (default `~/.ollama/models`, or the Linux
-    service's `/usr/share/ollama/.ollama/models`)."""
-    repository, _, tag = name.partition(":")
-    parts = repository.split("/")
-    host = parts[0] if "." in parts[0] and len(parts) > 1 else "registry.ollama.ai"
-    path = parts[1:] if host == parts[0] else parts
-    if len(path) == 1:
-        path = ["library", *path]
-    tried = []
-    for models in ollama_model_dirs():
-        manifest = models / "manifests" / host / Path(*path) / (tag or "latest")
-        tried.append(str(manifest))
-        if manifest.is_file():
-            layers = json.loads(manifest.read_text()).get("layers", [])
-            digests = [layer["digest"] for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER]
-            if not digests:
-                raise CheckpointError(f"Ollama's manifest {manifest} names no model layer")
-            return models / "blobs" / digests[0].replace(":", "-")
-    raise CheckpointError(f"Ollama has no model {name!r} on this machine (`ollama pull {name}` fetches it); "
-                          f"looked for {', '.join(tried)}")
-
-
-def ollama_model_dirs() -> list[Path]:
-    explicit = os.environ.get("OLLAMA_MODELS")
-    if explicit:
-        return [Path(explicit).expanduser()]
-    return [Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
-
-
-def fetch_hub_gguf(repo: str, quant: str) -> Path:
-    """The GGUF file of quantization `quant` (a tag such as `Q4_K_M` in any case, or a file name) in the hub
-    repository `repo`, downloaded into the local hub cache with all its parts; its first part."""
-    from huggingface_hub import HfApi, hf_hub_download
-
-    try:
-        files = HfApi().list_repo_files(repo)
-        chosen = pick_gguf_files(files, quant, repo)
-        return [Path(hf_hub_download(repo, name)) for name in chosen][0]
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{repo}:{quant} could not be fetched from the Hugging Face hub (offline, or not a "
-                              f"repository?): {type(e).__name__}: {e}") from None
-
-
-def gguf_models(files: list[str]) -> list[str]:
-    """The GGUF files among a repository's `files` that hold language models (not vision projectors)."""
-    return sorted(f for f in files if f.endswith(".gguf") and not f.rsplit("/", 1)[-1].lower().startswith("mmproj"))
-
-
-def pick_gguf_files(files: list[str], quant: str, repo: str) -> list[str]:
-    """The files of one GGUF model in a repository's `files`: those whose name holds `quant` between separators
-    (or is `quant`), all parts of it if split; a `CheckpointError` that lists the choices otherwise."""
-    models = gguf_models(files)
-    if quant.lower().endswith(".gguf"):
-        matches = [f for f in models if quant in (f, f.rsplit("/", 1)[-1])]
-    else:
-        tag = re.compile(rf"(?:^|[-_./]){re.escape(quant)}(?:[-_./]|$)", re.IGNORECASE)
-        matches = [f for f in models if tag.search(f)]
-    whole = {re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", f) for f in matches}  # a split model's parts as one
-    if len(whole) == 1:
-        return sorted(matches)
-    if not whole:
-        listed = sorted({re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", f) for f in models})
-        raise CheckpointError(f"{repo} has no GGUF file for {quant!r}; it has: {', '.join(listed) or 'none'}")
-    raise CheckpointError(f"{repo}:{quant} matches {len(whole)} GGUF models ({', '.join(sorted(whole))}); "
-                          f"name one: {repo}:FILE.gguf")
-
-
-def split_parts(source: Path) -> list[Path]:
-    """Every file of the model `source` belongs to, in order: itself, or all parts of a split model."""
-    m = SPLIT_NAME.fullmatch(source.name)
-    if m is None:
-        return [source]
-    count = int(m["count"])
-    parts = [source.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [p.name for p in parts if not p.is_file()]
-    if missing:
-        raise CheckpointError(f"{source} is one of {count} parts of a split GGUF model; missing beside it: "
-                              f"{', '.join(missing)}")
-    return parts
 
 
 def convert_gguf(parts: list[Path], out: Path) -> None:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 import engine.gguf_checkpoint as gguf_checkpoint
+import engine.gguf_sources as gguf_sources
 from cache.quant import dequantize, quantize
 from cache.safetensors_index import CheckpointError
 from engine.api import GenerationRequest, SamplingParams
@@ -319,8 +320,8 @@ def test_a_quantization_the_hub_repo_lacks_is_refused_with_what_it_has(fake_hub)
 def test_two_models_of_one_quantization_are_told_apart_by_file_name():
     files = ["X-Q4_K_M.gguf", "X-UD-Q4_K_M.gguf", "X-Q8_0.gguf", "README.md"]
     with pytest.raises(CheckpointError, match=r"matches 2 GGUF models .* name one: o/r:FILE.gguf"):
-        gguf_checkpoint.pick_gguf_files(files, "Q4_K_M", "o/r")
-    assert gguf_checkpoint.pick_gguf_files(files, "X-UD-Q4_K_M.gguf", "o/r") == ["X-UD-Q4_K_M.gguf"]
+        gguf_sources.pick_gguf_files(files, "Q4_K_M", "o/r")
+    assert gguf_sources.pick_gguf_files(files, "X-UD-Q4_K_M.gguf", "o/r") == ["X-UD-Q4_K_M.gguf"]
 
 
 def test_a_hub_gguf_repository_without_a_quantization_says_how_to_name_one(fake_hub, monkeypatch):
