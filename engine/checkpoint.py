@@ -86,8 +86,8 @@ class ExpertSources:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local folder as is; a GGUF file converted once into a folder; otherwise a hub id fetched (or found in
-    the local HF cache)."""
+    """A local folder as is; a GGUF model (a file or a split model's part, `ollama:NAME[:TAG]`, a hub
+    `owner/repo:QUANT`) converted once into a folder; otherwise a hub id fetched (or found in the local HF cache)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path

@@ -131,6 +131,7 @@ def convert_gguf(parts: list[Path], out: Path) -> None:
     names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name (merged: no `.weight`) → ours
     target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t in tensors}
     parts_of = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
+    _check_complete(source, set(parts_of), expected, config)  # before minutes of work, not after
     left = parts_of.copy()
     fused: dict[str, torch.Tensor] = {}  # expert parameters being filled
     writer = ShardWriter(out)
@@ -164,7 +165,6 @@ def convert_gguf(parts: list[Path], out: Path) -> None:
                 log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(tensors),
                          writer.bytes_written / 2**30, time.monotonic() - started)
     writer.close()
-    _check_complete(source, writer.written, expected, config)
     if unused:
         log.warning("GGUF %s: %d tensors not used by %s (%s)", source, len(unused), config.model_type,
                     ", ".join(unused[:5]))
@@ -309,10 +309,10 @@ def _check_free_space(out: Path, needed: int) -> None:
         )
 
 
-def _check_complete(source: Path, written: dict[str, str], expected: dict[str, tuple],
-                    config: PretrainedConfig) -> None:
+def _check_complete(source: Path, found: set[str], expected: dict[str, tuple], config: PretrainedConfig) -> None:
+    """Refuse a file that lacks a tensor for any of the model's parameters (`found`: those it has)."""
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(expected) - set(written) - tied)
+    missing = sorted(set(expected) - found - tied)
     if missing:
         raise CheckpointError(f"{source}: the GGUF file has no tensor for {len(missing)} parameters of "
                               f"{config.model_type} ({', '.join(missing[:4])}); serve the model's Hugging Face "

@@ -167,6 +167,15 @@ def test_an_architecture_not_converted_is_refused_by_name(tmp_path, own_state_di
     assert converted_folders() == []
 
 
+def test_a_file_missing_a_tensor_is_refused_before_anything_is_written(tmp_path, own_state_dir, monkeypatch):
+    path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "hole.gguf", leave_out="blk.1.attn_k_norm.weight")
+    monkeypatch.setattr(gguf_checkpoint.ShardWriter, "add", lambda *args: pytest.fail("wrote a tensor"))
+    with pytest.raises(CheckpointError, match=r"has no tensor for 1 parameters of qwen3_moe "
+                                              r"\(model.layers.1.self_attn.k_norm.weight\)"):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
+
+
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, own_state_dir):
     path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "whole.gguf")
     cut = tmp_path / "cut.gguf"
