@@ -84,14 +84,20 @@ def pick_gguf_files(files: list[str], quant: str, repo: str) -> list[str]:
     else:
         tag = re.compile(rf"(?:^|[-_./]){re.escape(quant)}(?:[-_./]|$)", re.IGNORECASE)
         matches = [f for f in models if tag.search(f)]
-    whole = {re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", f) for f in matches}  # a split model's parts as one
+    whole = {model_name(f) for f in matches}
     if len(whole) == 1:
         return sorted(matches)
     if not whole:
-        listed = sorted({re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", f) for f in models})
+        listed = sorted({model_name(f) for f in models})
         raise CheckpointError(f"{repo} has no GGUF file for {quant!r}; it has: {', '.join(listed) or 'none'}")
     raise CheckpointError(f"{repo}:{quant} matches {len(whole)} GGUF models ({', '.join(sorted(whole))}); "
                           f"name one: {repo}:FILE.gguf")
+
+
+def model_name(file: str) -> str:
+    """A split model's part named as the whole model (`X-00002-of-00003.gguf` → `X.gguf`); other files as they are."""
+    m = SPLIT_NAME.fullmatch(file)
+    return f"{m['stem']}.gguf" if m else file
 
 
 def split_parts(source: Path) -> list[Path]:
