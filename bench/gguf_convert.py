@@ -1,12 +1,14 @@
-"""How long converting a GGUF file takes, at a real model's expert sizes.
+"""How long the first start on a GGUF file takes, at a real model's expert sizes.
 
-    python -m bench.gguf_convert [--layers 2] [--experts 128] [--hidden 2048] [--expert-size 768] [--types Q8_0,Q4_1]
+    python -m bench.gguf_convert [--layers 2] [--experts 128] [--hidden 2048] [--expert-size 768]
+                                 [--types Q8_0,Q4_1,Q4_K,Q4_K/Q8_0]
 
 Writes random Qwen3-MoE GGUF files whose MoE layers have the given shapes (the defaults are Qwen3-30B-A3B's: 128
-experts of 2048 → 768), one of 1 layer and one of `--layers`, their experts in each GGUF type, converts each as
-`moe-serve --model FILE.gguf` does, and prints one JSON line per type: the seconds of both, the cost of one more
-layer and of the rest (config, tokenizer, embeddings), and from them the time for all of the model's layers
-(`--model-layers`, 48).
+experts of 2048 → 768), one of 1 layer and one of `--layers`, their experts in each GGUF type (`A/B`: down_proj in
+B, as llama.cpp's Q4_K_M stores it wider), and starts the engine on each as `moe-serve --model FILE.gguf` does
+(CPU, `--expert-dtype auto`): the conversion, then the load, which stores the experts in the form auto picks. One
+JSON line per type: the seconds of both steps for both files, the cost of one more layer and of the rest (config,
+tokenizer, embeddings, warm-up), and from them the time for all of the model's layers (`--model-layers`, 48).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--expert-size", type=int, default=768)
     parser.add_argument("--model-layers", type=int, default=48)
-    parser.add_argument("--types", default="Q8_0,Q4_1")
+    parser.add_argument("--types", default="Q8_0,Q4_1,Q4_K,Q4_K/Q8_0")
     args = parser.parse_args()
     if args.layers < 2:
         parser.error("--layers must be at least 2: the cost of a layer is the difference to a 1-layer file")
@@ -36,20 +39,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MOE_SERVE_STATE_DIR"] = str(Path(tmp) / "state")
         for kind in args.types.split(","):
-            seconds = {layers: convert_seconds(args, layers, kind, Path(tmp)) for layers in (1, args.layers)}
-            per_layer = (seconds[args.layers] - seconds[1]) / (args.layers - 1)
-            fixed = seconds[1] - per_layer
-            print(json.dumps({
-                "type": kind, "experts": args.experts, "hidden": args.hidden, "expert_size": args.expert_size,
-                "seconds_1_layer": round(seconds[1], 1), f"seconds_{args.layers}_layers": round(seconds[args.layers], 1),
-                "seconds_per_layer": round(per_layer, 1), "seconds_fixed": round(fixed, 1),
-                "expert_params_per_s_millions": round(3 * args.experts * args.hidden * args.expert_size / per_layer / 1e6, 1),
-                f"estimate_{args.model_layers}_layers_min": round((fixed + per_layer * args.model_layers) / 60, 1),
-            }), flush=True)
+            seconds = {layers: first_start_seconds(args, layers, kind, Path(tmp)) for layers in (1, args.layers)}
+            line = {"type": kind, "experts": args.experts, "hidden": args.hidden, "expert_size": args.expert_size}
+            for step in ("convert", "load"):
+                per_layer = (seconds[args.layers][step] - seconds[1][step]) / (args.layers - 1)
+                fixed = seconds[1][step] - per_layer
+                line |= {f"{step}_seconds_1_layer": round(seconds[1][step], 1),
+                         f"{step}_seconds_{args.layers}_layers": round(seconds[args.layers][step], 1),
+                         f"{step}_seconds_per_layer": round(per_layer, 1), f"{step}_seconds_fixed": round(fixed, 1),
+                         f"{step}_estimate_{args.model_layers}_layers_min":
+                             round((fixed + per_layer * args.model_layers) / 60, 1)}
+            line["expert_form"] = seconds[1]["form"]
+            line["state_folder_gib_per_layer"] = round(seconds[args.layers]["gib"] - seconds[1]["gib"], 2)
+            print(json.dumps(line), flush=True)
 
 
-def convert_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: Path) -> float:
-    """Write a `layers`-layer model's GGUF with `kind` experts and time its conversion."""
+def first_start_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: Path) -> dict:
+    """Write a `layers`-layer model's GGUF with `kind` experts, then time its conversion and the engine's load."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
     from engine.gguf_checkpoint import gguf_folder
     from tests.fixtures.gguf_files import VOCAB, write_gguf
     from tests.fixtures.models import make_config, random_model
@@ -58,12 +66,22 @@ def convert_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: Path)
     config.hidden_size, config.moe_intermediate_size, config.intermediate_size = (
         args.hidden, args.expert_size, args.expert_size)
     config.head_dim = args.hidden // config.num_attention_heads
-    path = write_gguf(random_model(config, seed=0), tmp / f"{kind}-{layers}.gguf", kind)
+    expert_type, _, down_type = kind.partition("/")
+    name = kind.replace("/", "-")
+    path = write_gguf(random_model(config, seed=0), tmp / f"{name}-{layers}.gguf", expert_type,
+                      down_type=down_type or None)
     started = time.monotonic()
     gguf_folder(path)
-    elapsed = time.monotonic() - started
+    converted = time.monotonic()
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu", expert_cache_experts=8))
+    loaded = time.monotonic()
+    state = Path(os.environ["MOE_SERVE_STATE_DIR"])
+    gib = sum(f.stat().st_size for f in state.rglob("*") if f.is_file()) / 2**30
+    form = engine.loaded.quant.expert_dtype if engine.loaded.quant else "float"
+    del engine
     path.unlink()
-    return elapsed
+    shutil.rmtree(state)
+    return {"convert": converted - started, "load": loaded - converted, "form": form, "gib": gib}
 
 
 if __name__ == "__main__":

@@ -144,11 +144,14 @@ def group_size_for(in_features: int, group_size: int) -> int:
     return in_features if group_size == PER_CHANNEL else math.gcd(in_features, group_size)
 
 
-def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dtype: torch.dtype):
+def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dtype: torch.dtype,
+             steps: torch.Tensor | None = None):
     """Group-wise quantization of `weight [out, in]` → (q int8 [out, in], scales, zeros [out, in/group]).
 
     Scales and zero points are rounded to `scale_dtype` first and `q` is computed from the rounded
     values, so `q * scale + zero` is exactly what a kernel reconstructs. int8 zeros are all 0.
+    `steps [out, in/group]` (int4): each group's grid step where the source knows it (a 4-bit GGUF file's block
+    scales; 0 for none), instead of searching the values for a grid (`grid_step`).
     """
     out_f, in_f = weight.shape
     group = group_size_for(in_f, group_size)
@@ -159,7 +162,9 @@ def quantize(weight: torch.Tensor, expert_dtype: str, group_size: int, scale_dty
     else:
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [O, G]
         scales = (high - low) / (QMAX["int4"] - QMIN["int4"])
-        if lies_on_grids(grouped, low):  # a 4-bit GGUF file's groups keep their own grid
+        if steps is not None:
+            scales = torch.where(steps > 0, steps.float(), scales)
+        elif lies_on_grids(grouped, low):  # a 4-bit GGUF file's groups keep their own grid
             step, on_grid = grid_step(grouped, low)
             scales = torch.where(on_grid, step, scales)
         zeros = torch.where(scales > 0, low - QMIN["int4"] * scales, low)  # a constant group: q = 0 gives it
@@ -300,10 +305,13 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: torch.Tensor,
+                steps: Mapping[str, torch.Tensor] | None = None) -> None:
     """Quantize and pack an expert's tensors (as in the checkpoint) into `out` (uint8 [layout.nbytes]).
 
-    `int4-cuda` packing runs on the GPU (tinygemm's converter exists only there); the bytes come back.
+    `steps`: by parameter, the grid step of each group of its weights where the source knows it (`[out, in/g]`:
+    used by int4 weights quantized in groups of that `g`). `int4-cuda` packing runs on the GPU (tinygemm's converter
+    exists only there); the bytes come back.
     """
     out.zero_()  # padding bytes too: a buffer's bytes depend only on the weights
     for t in layout.tensors:
@@ -313,7 +321,11 @@ def pack_expert(layout: QuantLayout, params: Mapping[str, torch.Tensor], out: to
             continue
         weight = value.t() if t.transposed else value  # [out, in]
         int_dtype = int_dtype_of(t.packing)
-        q, scales, zeros = quantize(weight, int_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype))
+        known = (steps or {}).get(t.name)
+        if known is not None and (int_dtype != "int4" or known.shape != (t.shape[0], t.shape[1] // t.group_size)):
+            known = None  # another grid than this weight's groups
+        q, scales, zeros = quantize(weight, int_dtype, t.group_size, scale_dtype(t.packing, layout.compute_dtype),
+                                    known)
         _bytes_of(out, t.offset, t.nbytes).copy_(_pack_weight(q, t.packing).reshape(-1).view(torch.uint8).cpu())
         scale_bytes = _pack_scales(scales, zeros, int_dtype).reshape(-1).view(torch.uint8)
         _bytes_of(out, t.scale_offset, t.scale_nbytes).copy_(scale_bytes)

@@ -15,7 +15,9 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -42,17 +44,18 @@ def open_quant_store(
     layout: QuantLayout,
     keys: Sequence[ExpertKey],
     pack_one: Callable[[ExpertKey, torch.Tensor], None],
+    threads: int = 1,
 ) -> dict[ExpertKey, list[Segment]]:
     """Each expert's place in the quantized file at `path`, building the file first unless a
     valid one for this `checkpoint` and `layout` is there. `pack_one(key, out)` fills `out`
-    (uint8 [layout.nbytes]) with the expert's packed bytes."""
+    (uint8 [layout.nbytes]) with the expert's packed bytes; `threads` call it at once (on different keys)."""
     metadata = {"format": FORMAT, "checkpoint": checkpoint, "layout": layout.to_json()}
     segments = _valid_segments(path, metadata, layout, keys)
     if segments is not None:
         log.info("quantized experts: reusing %s", path)
         return segments
     start = time.perf_counter()
-    write_atomically(path, lambda f: _write(f, metadata, layout, keys, pack_one))
+    write_atomically(path, lambda f: _write(f, metadata, layout, keys, pack_one, threads))
     log.info(
         "quantized %d experts to %s in %.1f s (%.1f MiB each)",
         len(keys), path, time.perf_counter() - start, layout.nbytes / 2**20,
@@ -117,13 +120,36 @@ def _write(
     layout: QuantLayout,
     keys: Sequence[ExpertKey],
     pack_one: Callable[[ExpertKey, torch.Tensor], None],
+    threads: int,
 ) -> None:
     f.write(_header(metadata, layout, keys))
-    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
     last_log = time.perf_counter()
-    for n, key in enumerate(keys, 1):
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for n, buffer in enumerate(_packed_in_order(pool, max(1, threads), layout, keys, pack_one), 1):
+            f.write(buffer.numpy().data)
+            if time.perf_counter() - last_log > 10:
+                log.info("quantizing experts: %d of %d", n, len(keys))
+                last_log = time.perf_counter()
+
+
+def _packed_in_order(
+    pool: ThreadPoolExecutor,
+    threads: int,
+    layout: QuantLayout,
+    keys: Sequence[ExpertKey],
+    pack_one: Callable[[ExpertKey, torch.Tensor], None],
+) -> Iterator[torch.Tensor]:
+    """Each expert's packed buffer in the order of `keys`, at most two per thread packed ahead of the writer."""
+
+    def packed(key: ExpertKey) -> torch.Tensor:
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         pack_one(key, buffer)
-        f.write(buffer.numpy().data)
-        if time.perf_counter() - last_log > 10:
-            log.info("quantizing experts: %d of %d", n, len(keys))
-            last_log = time.perf_counter()
+        return buffer
+
+    pending: deque[Future] = deque()
+    for key in keys:
+        pending.append(pool.submit(packed, key))
+        if len(pending) >= 2 * threads:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()

@@ -38,6 +38,7 @@ from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_gri
 from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
 from engine.gguf_checkpoint import gguf_folder
+from engine.gguf_experts import gguf_identity
 from engine.gguf_sources import fetch_hub_gguf, gguf_models, is_gguf, ollama_blob
 from engine.moe_layers import MoELayer, interface_families
 
@@ -222,7 +223,7 @@ def check_config_sizes(config: dict, where: Path) -> None:
 
 def checkpoint_digest(folder: Path) -> str:
     """A short identity of the weights: file names, sizes and the first bytes of each shard."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(gguf_identity(folder))  # experts read from a GGUF file: that file's identity too
     for path in sorted(folder.glob("*.safetensors")):
         digest.update(f"{path.name}:{path.stat().st_size}:".encode())
         with open(path, "rb") as f:

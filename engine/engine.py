@@ -50,6 +50,7 @@ from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.fim import ExtraFiles, detect_fim, fim_prompt_ids
 from engine.gguf_checkpoint import gguf_expert_dtype
+from engine.gguf_experts import has_quantized_experts
 from engine.host_memory import available_ram_bytes
 from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
@@ -658,13 +659,14 @@ def _quant_request(config: EngineConfig, folder: Path, device: torch.device) -> 
     wanted = config.expert_dtype
     if wanted == "auto":
         wanted = gguf_expert_dtype(folder) or wanted  # a GGUF file's 4- or 8-bit experts stay that small
-    if wanted not in QUANT_DTYPES and published is None:
+    from_gguf = has_quantized_experts(folder)  # read from a GGUF file in its quantized types
+    if wanted not in QUANT_DTYPES and published is None and not from_gguf:
         return None  # auto, bf16: the checkpoint's weights in --dtype
     group = DEFAULT_GROUP_SIZE.get(wanted, 0) if config.expert_group_size is None else config.expert_group_size
     digest = checkpoint_digest(folder)
     form = f"{wanted}-g{group or 'channel'}-{device.type}"
     if wanted not in QUANT_DTYPES:  # the published bytes (auto), or decoded into --dtype (bf16)
-        form = f"{published.method}-{wanted}-{device.type}"
+        form = f"{published.method if published else 'gguf'}-{wanted}-{device.type}"
     path = default_quant_path(f"{config.model or DEMO_MODEL_NAME}|{digest}", form)
     return QuantRequest(wanted, group, path, digest)
 

@@ -1,12 +1,12 @@
 """GGUF files (llama.cpp's and Ollama's format), served by converting them once into a Hugging Face folder.
 
 A GGUF model (one file or the parts of a split one, found by `engine.gguf_sources`) comes here. The file's
-config, tokenizer and chat template are read by transformers' GGUF support; its tensors are read one at a time
-(memory-mapped by gguf-py), dequantized by a pool of threads, renamed to the model's parameters by transformers'
-GGUF name maps and written as safetensors shards into the per-user state folder. A later start finds that folder
-by the files' paths, sizes and modification times and loads it at once. From there on the experts are stored,
-quantized (`--expert-dtype`; `auto` keeps a 4- or 8-bit file's experts that small) and cached like those of any
-checkpoint.
+config, tokenizer and chat template are read by transformers' GGUF support; its dense tensors are read one at a
+time (memory-mapped by gguf-py), dequantized by a pool of threads, renamed to the model's parameters by
+transformers' GGUF name maps and written as safetensors shards into the per-user state folder. The experts, most
+of the model, stay in the GGUF file and are read from there (`engine.gguf_experts`): stored once in the form
+`--expert-dtype` asks for (`auto` keeps a 4- or 8-bit file's experts that small) and cached like those of any
+checkpoint. A later start finds the folder by the files' paths, sizes and modification times and loads it at once.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 )
 
 from cache.safetensors_index import CheckpointError
+from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, recorded_experts
 from engine.gguf_sources import split_parts
 from engine.moe_layers import interface_families
 from engine.paths import default_gguf_folder
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1  # part of the folder's identity: a new version converts again
 SHARD_BYTES = 2 << 30
-DONE_MARKER = "moe-serve-gguf.json"  # written last: a folder without it is an interrupted conversion
+DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama")
@@ -78,8 +79,8 @@ def gguf_folder(source: Path) -> Path:
     are converted together.
     """
     parts = split_parts(source.expanduser().absolute())  # not resolved: the hub cache links parts to blobs
-    version = "|".join(f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in parts)
-    folder = default_gguf_folder(parts[0], f"{version}|v{CONVERTER_VERSION}")
+    identity = "|".join(f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in parts)  # with the folder's path
+    folder = default_gguf_folder(parts[0], f"{identity}|v{CONVERTER_VERSION}")
     if (folder / DONE_MARKER).is_file():
         log.info("GGUF %s: using its conversion in %s", parts[0], folder)
         return folder
@@ -87,7 +88,7 @@ def gguf_folder(source: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted conversion: start over
     partial.mkdir(parents=True)
     try:
-        convert_gguf(parts, partial)
+        convert_gguf(parts, partial, identity)
         if folder.exists():  # another process converted the same file meanwhile
             shutil.rmtree(partial)
         else:
@@ -98,15 +99,16 @@ def gguf_folder(source: Path) -> Path:
     return folder
 
 
-def convert_gguf(parts: list[Path], out: Path) -> None:
+def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     """Write the config, tokenizer, generation config and weights of the GGUF file `parts` (one, or the parts
     of a split model) into the empty folder `out`.
 
     Each tensor keeps its float type (F32, F16, BF16); a quantized one is dequantized into float16, which holds
     its values (fp16 scales times small integers) more closely than bf16. One-dimensional tensors (norms,
     biases) are float32. The config's dtype, the compute dtype `--dtype auto` picks on a GPU, is float32 if the
-    file's matrices all are, else bfloat16. Expert tensors (`ffn_{gate,up,down}_exps`) are dequantized straight
-    into the model's fused `gate_up_proj [E, 2I, H]` (gate rows first) and `down_proj [E, H, I]`.
+    file's matrices all are, else bfloat16. Expert tensors (`ffn_{gate,up,down}_exps`) stay in the file: the
+    marker records where each lies (`engine.gguf_experts`), for the model's fused `gate_up_proj [E, 2I, H]`
+    (gate rows first) and `down_proj [E, H, I]`. `identity`: the files' sizes and times, for the marker.
     """
     from gguf import GGUFReader  # imported only to convert: it takes a quarter of a second
 
@@ -116,12 +118,16 @@ def convert_gguf(parts: list[Path], out: Path) -> None:
         arch = str(readers[0].fields["general.architecture"].contents())
     except (ValueError, KeyError, OSError) as e:
         raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
-    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    if any(reader.byte_order != "I" for reader in readers):
+        raise CheckpointError(f"{source} is a GGUF file of the other byte order (big-endian), which moe-serve does "
+                              f"not read")
+    tensors = [(tensor, part) for reader, part in zip(readers, parts) for tensor in reader.tensors]
     config = gguf_config(source, readers[0], arch)
-    config.tie_word_embeddings = all(t.name != "output.weight" for t in tensors)  # in any part
-    matrices = [t for t in tensors if len(t.shape) > 1]
+    config.tie_word_embeddings = all(t.name != "output.weight" for t, _ in tensors)  # in any part
+    matrices = [t for t, _ in tensors if len(t.shape) > 1]
     config.dtype = torch.float32 if all(t.tensor_type.name == "F32" for t in matrices) else torch.bfloat16
-    _check_free_space(out, sum(int(t.n_elements) * storage_dtype(t).itemsize for t in tensors))
+    _check_free_space(out, sum(int(t.n_elements) * storage_dtype(t).itemsize for t, _ in tensors
+                               if not EXPERT_TENSOR.fullmatch(t.name)))
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
@@ -129,34 +135,22 @@ def convert_gguf(parts: list[Path], out: Path) -> None:
     processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
     processor = (processor_class or TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name (merged: no `.weight`) → ours
-    target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t in tensors}
+    target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t, _ in tensors}
     parts_of = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
-    _check_complete(source, set(parts_of), expected, config)  # before minutes of work, not after
-    left = parts_of.copy()
-    fused: dict[str, torch.Tensor] = {}  # expert parameters being filled
+    _check_complete(source, set(parts_of), expected, config)  # before any work, not after
+    experts: dict[str, dict[str, ExpertTensor]] = {}  # expert parameter → weight (gate, up, down) → file tensor
     writer = ShardWriter(out)
     started, unused = time.monotonic(), []
     log.info("GGUF %s (%s, %d tensors in %d files): converting into %s, once", source, arch, len(tensors),
              len(parts), out)
     with ThreadPoolExecutor(DEQUANTIZE_THREADS) as pool:
-        for i, tensor in enumerate(tensors):
+        for i, (tensor, file) in enumerate(tensors):
             target = target_of[tensor.name]
             if target is None:
                 unused.append(tensor.name)
             elif m := EXPERT_TENSOR.fullmatch(tensor.name):
-                if target not in expected:
-                    raise CheckpointError(f"{source}: {tensor.name} maps to {target}, which {config.model_type} lacks")
-                whole = fused.setdefault(target, torch.empty(expected[target], dtype=storage_dtype(tensor)))
-                rows = whole.shape[1] // parts_of[target]  # gate_up: gate's rows, then up's
-                into = whole.narrow(1, rows if m["weight"] == "up" else 0, rows)
-                weights = torch.from_numpy(dequantize_parallel(tensor, pool))
-                if weights.shape != into.shape:
-                    raise CheckpointError(f"{source}: {tensor.name} has shape {tuple(weights.shape)}, "
-                                          f"{config.model_type} expects {tuple(into.shape)} of {target}")
-                into.copy_(weights)
-                left[target] -= 1
-                if left[target] == 0:
-                    writer.add(target, fused.pop(target), expected)
+                experts.setdefault(target, {})[m["weight"]] = _expert_tensor(source, tensor, file, target, expected,
+                                                                            parts_of[target])
             else:
                 result = processor.process(weights=dequantize_parallel(tensor, pool), name=tensor.name)
                 weights = torch.from_numpy(np.ascontiguousarray(result.weights)).to(storage_dtype(tensor))
@@ -170,10 +164,26 @@ def convert_gguf(parts: list[Path], out: Path) -> None:
                     ", ".join(unused[:5]))
     _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
-              "expert_types": _expert_types(tensors)}
+              "identity": identity, "expert_types": _expert_types([t for t, _ in tensors]),
+              "experts": recorded_experts({name: [found[w] for w in ("gate", "up", "down") if w in found]
+                                          for name, found in experts.items()})}
     (out / DONE_MARKER).write_text(json.dumps(marker))
     log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
              writer.bytes_written / 2**30)
+
+
+def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict[str, tuple], parts: int
+                   ) -> ExpertTensor:
+    """Where a merged expert tensor lies in `file`, checked against the shape of the model's parameter `target`,
+    `[E, rows, columns]`, of which it is one of `parts` (gate_up: gate, up)."""
+    if target not in expected:
+        raise CheckpointError(f"{source}: {tensor.name} maps to {target}, which the model lacks")
+    experts, rows, columns = expected[target]
+    found = expert_tensor(tensor, file)
+    if found.shape != (experts, rows // parts, columns):
+        raise CheckpointError(f"{source}: {tensor.name} has shape {list(found.shape)}, the model expects "
+                              f"{[experts, rows // parts, columns]} of {target}")
+    return found
 
 
 def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:

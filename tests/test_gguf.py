@@ -11,22 +11,20 @@ from collections import namedtuple
 import gguf
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoTokenizer
 
 import engine.gguf_checkpoint as gguf_checkpoint
 import engine.gguf_sources as gguf_sources
-from cache.quant import dequantize, quantize
+from cache.quant import dequantize, quantize, unpack_expert
 from cache.safetensors_index import CheckpointError
 from engine.api import GenerationRequest, SamplingParams
-from engine.checkpoint import resolve_model_path
+from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
 from engine.demo_model import gguf_location
 from engine.engine import Engine
 from engine.paths import state_dir
 from server.testing import RemoteServer
-from tests.fixtures.gguf_files import GGUF_ARCH, chat_template_of, tiny_gguf_model, write_gguf
-from tests.fixtures.models import reference_greedy
+from tests.fixtures.gguf_files import GGUF_ARCH, chat_template_of, quantize_q4_k, tiny_gguf_model, write_gguf
 
 NEW_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
@@ -71,27 +69,60 @@ def test_a_gguf_file_gives_the_tokens_of_the_model_it_was_written_from(family, t
         assert engine.loaded.config.model_type == family
 
 
-@pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_1"])
-def test_quantized_experts_are_read_as_the_file_holds_them(expert_type, tmp_path):
-    model = tiny_gguf_model("qwen3_moe", seed=1)
+def file_experts(path, model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose experts are the GGUF file's, as gguf-py decodes them (what serving it must compute)."""
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def decoded(layer: int, weight: str) -> torch.Tensor:
+        t = stored[f"blk.{layer}.ffn_{weight}_exps.weight"]
+        return torch.from_numpy(gguf.dequantize(t.data, t.tensor_type))
+
+    copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict())
+    copy.eval()
+    for i in range(model.config.num_hidden_layers):
+        experts = copy.model.layers[i].mlp.experts
+        experts.gate_up_proj.data.copy_(torch.cat([decoded(i, "gate"), decoded(i, "up")], dim=1))
+        experts.down_proj.data.copy_(decoded(i, "down"))
+    return copy
+
+
+@pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_1", "Q4_K"])
+def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, tmp_path):
+    model = tiny_gguf_model("qwen3_moe", seed=1, width=256 if expert_type == "Q4_K" else None)
     path = write_gguf(model, tmp_path / "q.gguf", expert_type)
     folder = resolve_model_path(str(path))
-    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    with safe_open(folder / "model-00001.safetensors", "pt") as f:
-        gate_up = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")  # [E, 2I, H]
-        down = f.get_tensor("model.layers.1.mlp.experts.down_proj")  # [E, H, I]
-    as_file = {w: torch.from_numpy(gguf.dequantize(stored[f"blk.1.ffn_{w}_exps.weight"].data,
-                                                   stored[f"blk.1.ffn_{w}_exps.weight"].tensor_type))
-               for w in ("gate", "up", "down")}
-    assert gate_up.dtype == torch.float16
-    assert torch.equal(gate_up, torch.cat([as_file["gate"], as_file["up"]], dim=1).half())
-    assert torch.equal(down, as_file["down"].half())
-    original = model.state_dict()["model.layers.1.mlp.experts.down_proj"]
-    assert not torch.equal(down.float(), original)  # really quantized: the test would catch a float copy
+    written = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert written and not any(".experts." in name for name in written)  # the experts stay in the GGUF file
+    as_file = file_experts(path, model)
+    down = as_file.model.layers[1].mlp.experts.down_proj
+    assert not torch.equal(down, model.model.layers[1].mlp.experts.down_proj)  # the file's values, not a float copy
 
-    engine = load(path, 3, expert_dtype="bf16")  # the float path (auto would quantize again: below)
+    engine = load(path, 3, expert_dtype="bf16")  # decoded once into the compute dtype (float32 on the CPU)
+    assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == "float32"
     prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
+    assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+
+
+@pytest.mark.parametrize("expert_type", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_takes_a_4_bit_files_grid_from_its_blocks(expert_type):
+    from engine.gguf_experts import grid_steps
+
+    weight = torch.randn(64, 512).numpy() * 0.02
+    qtype = gguf.GGMLQuantizationType[expert_type]
+    blocks = quantize_q4_k(weight) if expert_type == "Q4_K" else gguf.quants.quantize(weight, qtype)
+    in_file = torch.from_numpy(gguf.dequantize(blocks, qtype))  # [64, 512]
+    steps = grid_steps(blocks, expert_type)
+    assert steps.shape == (64, 512 // 32)
+
+    def error(scale_dtype: torch.dtype, given: torch.Tensor | None) -> float:
+        again = dequantize(*quantize(in_file, "int4", 32, scale_dtype, given), torch.float32)
+        return ((again - in_file).norm() / in_file.norm()).item()
+
+    assert error(torch.float32, steps) < 1e-5  # the file's own values, but for float32 rounding
+    assert error(torch.bfloat16, steps) < 0.005  # the kernels' bf16 scales and zero points
+    if expert_type == "Q4_0":  # no step known: each group's min/max grid, not Q4_0's (symmetric about 0)
+        assert error(torch.float32, torch.zeros_like(steps)) > 0.01
 
 
 def test_the_tokenizer_and_chat_template_are_the_files(tmp_path):
@@ -232,28 +263,43 @@ def test_a_folder_not_converted_from_gguf_has_no_gguf_form(tmp_path):
     assert gguf_checkpoint.gguf_expert_dtype(tmp_path) is None
 
 
-def test_a_4_bit_files_experts_are_served_in_4_bits_on_the_files_own_grid(tmp_path):
-    model = tiny_gguf_model("qwen3_moe", seed=3)
-    path = write_gguf(model, tmp_path / "q41.gguf", "Q4_1")
+@pytest.mark.parametrize("expert_type, down_type, form", [("Q4_1", None, "int4"), ("Q4_K", "Q8_0", "int4-mixed")])
+def test_a_4_bit_files_experts_are_served_in_4_bits_on_the_files_own_grid(expert_type, down_type, form, tmp_path):
+    model = tiny_gguf_model("qwen3_moe", seed=3, width=256)
+    path = write_gguf(model, tmp_path / "q4.gguf", expert_type, down_type=down_type)
     engine = load(path, 3)
-    assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == "int4"
+    assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == form
     prompt_ids = engine.encode(PROMPT)
     assert len(greedy(engine, prompt_ids)) == NEW_TOKENS
     as_float = load(path, 3, expert_dtype="bf16")
-    assert as_float.loaded.quant is None
     assert engine.loaded.host.bytes_per_expert * 3 < as_float.loaded.host.bytes_per_expert
 
-    # Q4_1 is asymmetric groups of 32 along each row, as int4 g32 is: quantizing the file's values again finds
-    # its grid (bf16 scales aside), where quantizing the original float weights loses ~8% of them
-    with safe_open(engine.loaded.folder / "model-00001.safetensors", "pt") as f:
-        from_file = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj")[0].float()  # [2I, H]
-    original = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"][0]
+    # the stored int4 weights are the file's (bf16 scales aside: the kernels'), where quantizing the original float
+    # weights to int4 loses ~8% of them; read back through the kernel, by multiplying with the identity
+    key = (0, 0)
+    with engine.loaded.host.hold(key) as buffer:
+        gate_up = unpack_expert(engine.loaded.quant, buffer)["gate_up_proj"]
+        stored = gate_up.linear(torch.eye(gate_up.shape[1])).t()  # [2I, H]
+    in_file = file_experts(path, model).model.layers[0].mlp.experts.gate_up_proj[0].detach()
+    original = model.model.layers[0].mlp.experts.gate_up_proj[0].detach()
+    assert ((stored - in_file).norm() / in_file.norm()).item() < 0.01
+    assert ((in_file - original).norm() / original.norm()).item() > 0.05
 
-    def int4_error(weight: torch.Tensor) -> float:
-        again = dequantize(*quantize(weight, "int4", 32, torch.bfloat16), torch.float32)
-        return ((again - weight).norm() / weight.norm()).item()
 
-    assert int4_error(from_file) < int4_error(original) / 10
+def test_a_converted_model_whose_gguf_file_is_gone_says_so(tmp_path):
+    path = write_gguf(tiny_gguf_model("qwen3_moe", seed=5), tmp_path / "gone.gguf", "Q8_0")
+    folder = resolve_model_path(str(path))
+    path.rename(tmp_path / "moved.gguf")
+    with pytest.raises(CheckpointError, match="gone.gguf.*is gone"):
+        load(folder, 3)
+
+
+def test_two_files_with_the_same_dense_weights_are_two_checkpoints(tmp_path):
+    model = tiny_gguf_model("qwen3_moe", seed=6)
+    folders = [resolve_model_path(str(write_gguf(model, tmp_path / f"{kind}.gguf", kind))) for kind in ("Q8_0", "Q4_1")]
+    dense = [(folder / "model-00001.safetensors").read_bytes() for folder in folders]
+    assert dense[0] == dense[1]  # only the experts differ, and they are in the GGUF files
+    assert checkpoint_digest(folders[0]) != checkpoint_digest(folders[1])  # so the expert stores are not shared
 
 
 def test_a_split_model_is_served_from_any_of_its_parts(tmp_path, own_state_dir):

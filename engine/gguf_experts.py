@@ -1,0 +1,189 @@
+"""A GGUF model's experts, read from the GGUF file itself: its conversion writes only the dense weights.
+
+llama.cpp stores each MoE layer's experts as merged tensors, `ffn_{gate,up,down}_exps` of `[experts, rows,
+columns]` (numpy order), each row a run of quantization blocks, so one expert's part of a tensor is one run of
+bytes in the file. The conversion records where each tensor lies (`ExpertTensor`, in the folder's marker); at load
+every expert is read from there:
+- float experts (F32, F16, BF16) as disk segments, like a safetensors checkpoint's (`float_segments`);
+- quantized ones (Q4_K, Q6_K, Q8_0, ...) decoded by gguf-py into float32 once, when the expert store is built in
+  the form `--expert-dtype` asks for. A 4-bit block's scale is the step of its grid (`grid_steps`), so int4 takes
+  the file's own grid instead of searching the decoded values for it (`cache.quant.grid_step`, ~10× slower).
+This keeps a converted model's disk use to its dense weights, where float16 experts took 2 bytes per weight
+(61 GB for Qwen3-30B-A3B), and the first start from writing and reading them again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cache.host_store import Segment, read_segment
+from cache.policy import ExpertKey
+from cache.safetensors_index import CheckpointError
+from engine.moe_layers import MoELayer
+
+MARKER = "moe-serve-gguf.json"  # the conversion's marker (`engine.gguf_checkpoint`): where the experts lie
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+GRID_BLOCK = 32  # Q4_0, Q4_1: one scale per 32 weights; Q4_K: one per sub-block of 32
+Q4_K_SCALES = slice(4, 16)  # a Q4_K block: d, dmin (fp16 each), then 12 bytes of 6-bit scales and mins
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One merged expert tensor of a GGUF file: `shape` `[experts, rows, columns]` of GGML type `type`, its data at
+    byte `offset` of `file`."""
+
+    file: str
+    offset: int
+    type: str
+    shape: tuple[int, int, int]
+
+    @property
+    def row_bytes(self) -> int:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[self.type]]
+        return self.shape[2] // block * size
+
+    def raw(self, expert: int) -> np.ndarray:
+        """One expert's rows as stored: uint8 `[rows, row_bytes]`."""
+        rows = self.shape[1]
+        segment = Segment(Path(self.file), self.offset + expert * rows * self.row_bytes, rows * self.row_bytes,
+                          torch.uint8)
+        return read_segment(segment).numpy().reshape(rows, self.row_bytes)
+
+    def dequantized(self, expert: int) -> torch.Tensor:
+        """One expert's rows in float32 `[rows, columns]`, as gguf-py decodes them."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        return torch.from_numpy(dequantize(self.raw(expert), GGMLQuantizationType[self.type]))
+
+    def float_segment(self, expert: int) -> Segment:
+        dtype = FLOAT_TYPES[self.type]
+        numel = self.shape[1] * self.shape[2]
+        return Segment(Path(self.file), self.offset + expert * numel * dtype.itemsize, numel, dtype)
+
+
+def expert_tensor(tensor, file: Path) -> ExpertTensor:
+    """The place of a gguf-py `ReaderTensor` read from `file` (GGUF lists shapes columns first)."""
+    return ExpertTensor(str(file), int(tensor.data_offset), tensor.tensor_type.name,
+                        tuple(int(n) for n in reversed(tensor.shape)))
+
+
+def grid_steps(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
+    """The step of each group of 32 weights' 4-bit grid, `[rows, columns / 32]`, from a Q4_0, Q4_1 or Q4_K tensor's
+    blocks (`raw`: uint8 `[rows, row bytes]`); None for other types. Q4_0: `d (q - 8)`; Q4_1: `d q + m`; Q4_K:
+    `d sc_j q - dmin m_j` per sub-block j: the step is `d`, or `d sc_j`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import Q4_K
+
+    if type_name not in ("Q4_0", "Q4_1", "Q4_K"):
+        return None
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1])
+    d = blocks[:, :2].view(np.float16).astype(np.float32)  # [blocks, 1]
+    if type_name == "Q4_K":
+        sub_scales, _ = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, Q4_K_SCALES]))
+        d = d * sub_scales.astype(np.float32)  # [blocks, 8]
+    return torch.from_numpy(np.abs(d).reshape(raw.shape[0], -1))  # Q4_0's d is negative where its extreme is
+
+
+class GGUFExperts:
+    """Every expert of a converted GGUF model, read from the GGUF file: `tensors[(MoE layer, parameter)]` lists the
+    file's tensors that make the parameter, stacked along its rows (gate, then up)."""
+
+    def __init__(self, tensors: dict[tuple[int, str], list[ExpertTensor]], layer: MoELayer, num_layers: int) -> None:
+        self.tensors = tensors
+        self.layout = layer.layout
+        self.keys: list[ExpertKey] = [(i, e) for i in range(num_layers) for e in range(layer.num_experts)]
+
+    @property
+    def all_float(self) -> bool:
+        return all(t.type in FLOAT_TYPES for parts in self.tensors.values() for t in parts)
+
+    def float_segments(self) -> dict[ExpertKey, list[Segment]]:
+        """Each expert's parts on disk, in its `ExpertLayout`'s order (float experts only)."""
+        return {(i, e): [t.float_segment(e) for name, _ in self.layout.parts for t in self.tensors[(i, name)]]
+                for i, e in self.keys}
+
+    def dequantized(self, key: ExpertKey) -> dict[str, torch.Tensor]:
+        """One expert's parameters in float32, in the model's shapes."""
+        layer, expert = key
+        return {name: torch.cat([t.dequantized(expert) for t in self.tensors[(layer, name)]]).view(shape)
+                for name, shape in self.layout.parts}
+
+    def read_float(self, key: ExpertKey, flat: torch.Tensor) -> None:
+        """Fill `flat` (float32 `[layout.numel]`) with one expert."""
+        views = self.layout.views(flat)
+        for name, value in self.dequantized(key).items():
+            views[name].copy_(value)
+
+    def grid_steps(self, key: ExpertKey) -> dict[str, torch.Tensor]:
+        """The 4-bit grid step of each group of 32 of the expert's weights that are stored on one (`grid_steps`)."""
+        layer, expert = key
+        steps = {}
+        for name, _ in self.layout.parts:
+            found = [grid_steps(t.raw(expert), t.type) for t in self.tensors[(layer, name)]]
+            if found and all(s is not None for s in found):
+                steps[name] = torch.cat(found)
+        return steps
+
+
+def gguf_experts(folder: Path, moe_layers: list[MoELayer]) -> GGUFExperts | None:
+    """The experts of a GGUF model converted into `folder`, read from its GGUF file; None for any other folder
+    (including one converted before experts were left in the file: it holds them as safetensors)."""
+    try:
+        recorded = json.loads((folder / MARKER).read_text())["experts"]
+    except (OSError, ValueError, KeyError):
+        return None
+    tensors = {}
+    for i, layer in enumerate(moe_layers):
+        for name, shape in layer.layout.parts:
+            parts = [ExpertTensor(**{**t, "shape": tuple(t["shape"])}) for t in recorded.get(f"{layer.path}.{name}", [])]
+            rows = sum(t.shape[1] for t in parts)
+            if not parts or any(t.shape[0] != layer.num_experts or t.shape[2] != shape[1] for t in parts) \
+                    or rows != shape[0]:
+                raise CheckpointError(f"{folder}: the GGUF experts recorded for {layer.path}.{name} do not make "
+                                      f"{layer.num_experts} × {list(shape)}; delete the folder to convert again")
+            for t in parts:
+                _check_file(folder, t)
+            tensors[(i, name)] = parts
+    return GGUFExperts(tensors, moe_layers[0], len(moe_layers))
+
+
+def _check_file(folder: Path, t: ExpertTensor) -> None:
+    end = t.offset + t.shape[0] * t.shape[1] * t.row_bytes
+    try:
+        size = Path(t.file).stat().st_size
+    except OSError:
+        size = -1
+    if size < end:
+        raise CheckpointError(f"the GGUF file {t.file}, which the model converted into {folder} reads its experts "
+                              f"from, is gone or shorter than it was; serve the GGUF file again")
+
+
+def recorded_experts(tensors: dict[str, list[ExpertTensor]]) -> dict[str, list[dict]]:
+    """The marker's record of where each expert parameter lies (`gguf_experts` reads it)."""
+    return {name: [asdict(t) for t in parts] for name, parts in tensors.items()}
+
+
+def has_quantized_experts(folder: Path) -> bool:
+    """Whether `folder` is a GGUF conversion whose experts are read from the file in a quantized GGML type (then
+    even float experts are stored once, decoded, in the expert store)."""
+    try:
+        recorded = json.loads((folder / MARKER).read_text())["experts"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return any(t["type"] not in FLOAT_TYPES for parts in recorded.values() for t in parts)
+
+
+def gguf_identity(folder: Path) -> bytes:
+    """The GGUF file's identity for a folder whose experts are read from it (paths, sizes, mtimes); b"" else."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return b""
+    return json.dumps([marker.get("source"), marker.get("identity")]).encode() if "experts" in marker else b""
