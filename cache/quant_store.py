@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import struct
 import time
 from collections import deque
@@ -54,6 +55,8 @@ def open_quant_store(
     if segments is not None:
         log.info("quantized experts: reusing %s", path)
         return segments
+    path.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(path.parent, len(keys) * layout.nbytes, "storing the experts in this form")
     start = time.perf_counter()
     write_atomically(path, lambda f: _write(f, metadata, layout, keys, pack_one, threads))
     log.info(
@@ -64,6 +67,15 @@ def open_quant_store(
     if segments is None:
         raise CheckpointError(f"the quantized expert file {path} just written does not read back")
     return segments
+
+
+def check_free_space(folder: Path, needed: int, what: str) -> None:
+    """Refuse at once, saying why and what to do, where writing `needed` bytes into `folder` would fill its disk
+    (the state folder: quantized experts, a GGUF model's conversion) after minutes of work."""
+    free = shutil.disk_usage(folder).free
+    if needed * 1.05 > free:
+        raise CheckpointError(f"{what} needs {needed / 2**30:.1f} GiB in {folder}, which has {free / 2**30:.1f} GiB "
+                              f"free; set MOE_SERVE_STATE_DIR to a folder on a larger disk")
 
 
 def _valid_segments(

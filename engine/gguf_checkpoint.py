@@ -41,6 +41,7 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
+from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
 from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, recorded_experts
 from engine.gguf_sources import split_parts
@@ -126,8 +127,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     config.tie_word_embeddings = all(t.name != "output.weight" for t, _ in tensors)  # in any part
     matrices = [t for t, _ in tensors if len(t.shape) > 1]
     config.dtype = torch.float32 if all(t.tensor_type.name == "F32" for t in matrices) else torch.bfloat16
-    _check_free_space(out, sum(int(t.n_elements) * storage_dtype(t).itemsize for t, _ in tensors
-                               if not EXPERT_TENSOR.fullmatch(t.name)))
+    check_free_space(out.parent, sum(int(t.n_elements) * storage_dtype(t).itemsize for t, _ in tensors
+                                     if not EXPERT_TENSOR.fullmatch(t.name)), "converting this GGUF file")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
@@ -308,15 +309,6 @@ class ShardWriter:
         self.flush()
         index = {"metadata": {"total_size": self.bytes_written}, "weight_map": self.written}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-
-
-def _check_free_space(out: Path, needed: int) -> None:
-    free = shutil.disk_usage(out).free
-    if needed * 1.05 > free:
-        raise CheckpointError(
-            f"converting this GGUF file needs {needed / 2**30:.1f} GiB in {out.parent}, which has "
-            f"{free / 2**30:.1f} GiB free; set MOE_SERVE_STATE_DIR to a folder on a larger disk"
-        )
 
 
 def _check_complete(source: Path, found: set[str], expected: dict[str, tuple], config: PretrainedConfig) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+from collections import namedtuple
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from cache.host_store import Segment
 from cache.quant import ParamSpec, pack_expert, plan_layout
 from cache.quant_store import open_quant_store
-from cache.safetensors_index import TensorLocation
+from cache.safetensors_index import CheckpointError, TensorLocation
 
 KEYS = [(layer, expert) for layer in range(2) for expert in range(3)]
 SPECS = [ParamSpec("gate_up_proj", (64, 64)), ParamSpec("down_proj", (64, 32))]
@@ -110,3 +112,19 @@ def test_a_build_that_fails_midway_leaves_the_old_file_and_no_temp(tmp_path, lay
         open_quant_store(path, "digest-b", layout, KEYS, Packer(layout, fail_at=3))
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["m.moeq"]
+
+
+def test_experts_stored_by_several_threads_land_in_order(tmp_path, layout):
+    one = open_quant_store(tmp_path / "one.moeq", "digest-a", layout, KEYS, Packer(layout))
+    three = open_quant_store(tmp_path / "three.moeq", "digest-a", layout, KEYS, Packer(layout), threads=3)
+    assert (tmp_path / "one.moeq").read_bytes() == (tmp_path / "three.moeq").read_bytes()
+    assert [seg.offset for (seg,) in one.values()] == [seg.offset for (seg,) in three.values()]
+
+
+def test_too_little_disk_space_is_said_before_any_expert_is_stored(tmp_path, layout, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 1000, 1000))
+    packer = Packer(layout)
+    with pytest.raises(CheckpointError, match=r"storing the experts .* needs .* GiB .* MOE_SERVE_STATE_DIR"):
+        open_quant_store(tmp_path / "m.moeq", "digest-a", layout, KEYS, packer)
+    assert packer.calls == 0 and os.listdir(tmp_path) == []
