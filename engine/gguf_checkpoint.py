@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import time
-from collections import Counter
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,7 +70,9 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
-EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(?P<weight>gate|up|down)_exps\.weight")
+# a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024)
+EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<weight>gate|up|down)(?:_exps|\.(?P<expert>\d+))\.weight")
+WEIGHT_ORDER = ("gate", "up", "down")  # gate_up_proj: gate's rows first
 
 
 def gguf_folder(source: Path) -> Path:
@@ -136,10 +138,13 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
     processor = (processor_class or TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name (merged: no `.weight`) → ours
-    target_of = {t.name: names.get(t.name) or names.get(t.name.removesuffix(".weight")) for t, _ in tensors}
-    parts_of = Counter(target for target in target_of.values() if target)  # GGUF tensors making each parameter
-    _check_complete(source, set(parts_of), expected, config)  # before any work, not after
-    experts: dict[str, dict[str, ExpertTensor]] = {}  # expert parameter → weight (gate, up, down) → file tensor
+    target_of = {t.name: _target(names, t.name) for t, _ in tensors}
+    _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
+    weights_of = defaultdict(set)  # expert parameter → the weights making it: gate_up_proj {gate, up}
+    for t, _ in tensors:
+        if target_of[t.name] and (m := EXPERT_TENSOR.fullmatch(t.name)):
+            weights_of[target_of[t.name]].add(m["weight"])
+    experts = defaultdict(lambda: defaultdict(dict))  # expert parameter → weight → first expert → its file tensor
     writer = ShardWriter(out)
     started, unused = time.monotonic(), []
     log.info("GGUF %s (%s, %d tensors in %d files): converting into %s, once", source, arch, len(tensors),
@@ -150,8 +155,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
             if target is None:
                 unused.append(tensor.name)
             elif m := EXPERT_TENSOR.fullmatch(tensor.name):
-                experts.setdefault(target, {})[m["weight"]] = _expert_tensor(source, tensor, file, target, expected,
-                                                                            parts_of[target])
+                experts[target][m["weight"]][int(m["expert"] or 0)] = _expert_tensor(
+                    source, tensor, file, target, expected, len(weights_of[target]))
             else:
                 result = processor.process(weights=dequantize_parallel(tensor, pool), name=tensor.name)
                 weights = torch.from_numpy(np.ascontiguousarray(result.weights)).to(storage_dtype(tensor))
@@ -166,8 +171,9 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
               "identity": identity, "expert_types": _expert_types([t for t, _ in tensors]),
-              "experts": recorded_experts({name: [found[w] for w in ("gate", "up", "down") if w in found]
-                                          for name, found in experts.items()})}
+              "experts": recorded_experts({target: [_runs(source, target, by_weight[w], expected[target][0])
+                                                    for w in WEIGHT_ORDER if w in by_weight]
+                                           for target, by_weight in experts.items()})}
     (out / DONE_MARKER).write_text(json.dumps(marker))
     log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
              writer.bytes_written / 2**30)
@@ -179,12 +185,30 @@ def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict
     `[E, rows, columns]`, of which it is one of `parts` (gate_up: gate, up)."""
     if target not in expected:
         raise CheckpointError(f"{source}: {tensor.name} maps to {target}, which the model lacks")
-    experts, rows, columns = expected[target]
+    _, rows, columns = expected[target]
     found = expert_tensor(tensor, file)
-    if found.shape != (experts, rows // parts, columns):
-        raise CheckpointError(f"{source}: {tensor.name} has shape {list(found.shape)}, the model expects "
-                              f"{[experts, rows // parts, columns]} of {target}")
+    if found.shape[1:] != (rows // parts, columns):
+        raise CheckpointError(f"{source}: {tensor.name} has rows of shape {list(found.shape[1:])}, the model expects "
+                              f"{[rows // parts, columns]} of {target}")
     return found
+
+
+def _runs(source: Path, target: str, by_first_expert: dict[int, ExpertTensor], experts: int) -> list[ExpertTensor]:
+    """One weight's tensors in expert order (one merged tensor, or one per expert), checked to hold every expert."""
+    runs = [by_first_expert[e] for e in sorted(by_first_expert)]
+    if sorted(by_first_expert) != [0] and sorted(by_first_expert) != list(range(experts)) \
+            or sum(t.shape[0] for t in runs) != experts:
+        raise CheckpointError(f"{source}: the tensors of {target} hold {sum(t.shape[0] for t in runs)} experts, "
+                              f"the model has {experts}")
+    return runs
+
+
+def _target(names: dict[str, str], name: str) -> str | None:
+    """Our parameter for a GGUF tensor (merged experts: without `.weight`); a per-expert one maps as its layer's
+    merged tensor does."""
+    if (m := EXPERT_TENSOR.fullmatch(name)) and m["expert"] is not None:
+        name = f"blk.{m['layer']}.ffn_{m['weight']}_exps.weight"
+    return names.get(name) or names.get(name.removesuffix(".weight"))
 
 
 def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:

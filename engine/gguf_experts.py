@@ -1,9 +1,9 @@
 """A GGUF model's experts, read from the GGUF file itself: its conversion writes only the dense weights.
 
 llama.cpp stores each MoE layer's experts as merged tensors, `ffn_{gate,up,down}_exps` of `[experts, rows,
-columns]` (numpy order), each row a run of quantization blocks, so one expert's part of a tensor is one run of
-bytes in the file. The conversion records where each tensor lies (`ExpertTensor`, in the folder's marker); at load
-every expert is read from there:
+columns]` (numpy order; files from before 2024 hold one tensor per expert, `ffn_gate.{e}`), each row a run of
+quantization blocks, so one expert's part of a tensor is one run of bytes in the file. The conversion records where
+each tensor lies (`ExpertTensor`, in the folder's marker); at load every expert is read from there:
 - float experts (F32, F16, BF16) as disk segments, like a safetensors checkpoint's (`float_segments`);
 - quantized ones (Q4_K, Q6_K, Q8_0, ...) decoded by gguf-py into float32 once, when the expert store is built in
   the form `--expert-dtype` asks for. A 4-bit block's scale is the step of its grid (`grid_steps`), so int4 takes
@@ -34,8 +34,9 @@ Q4_K_SCALES = slice(4, 16)  # a Q4_K block: d, dmin (fp16 each), then 12 bytes o
 
 @dataclass(frozen=True)
 class ExpertTensor:
-    """One merged expert tensor of a GGUF file: `shape` `[experts, rows, columns]` of GGML type `type`, its data at
-    byte `offset` of `file`."""
+    """A GGUF tensor holding one weight (gate, up or down) of `shape[0]` consecutive experts: `shape` `[experts,
+    rows, columns]` of GGML type `type`, its data at byte `offset` of `file`. A merged `ffn_*_exps` tensor holds every
+    expert of its layer; a per-expert one (`ffn_gate.{e}`), one."""
 
     file: str
     offset: int
@@ -69,9 +70,22 @@ class ExpertTensor:
 
 
 def expert_tensor(tensor, file: Path) -> ExpertTensor:
-    """The place of a gguf-py `ReaderTensor` read from `file` (GGUF lists shapes columns first)."""
-    return ExpertTensor(str(file), int(tensor.data_offset), tensor.tensor_type.name,
-                        tuple(int(n) for n in reversed(tensor.shape)))
+    """The place of a gguf-py `ReaderTensor` read from `file` (GGUF lists shapes columns first; a per-expert
+    tensor has no expert axis)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return ExpertTensor(str(file), int(tensor.data_offset), tensor.tensor_type.name, shape if len(shape) == 3 else (1, *shape))
+
+
+Runs = list[ExpertTensor]  # tensors of one weight, consecutive along the expert axis: together every expert
+
+
+def _holding(runs: Runs, expert: int) -> tuple[ExpertTensor, int]:
+    """The tensor among `runs` that holds `expert`, and the expert's index in it."""
+    for run in runs:
+        if expert < run.shape[0]:
+            return run, expert
+        expert -= run.shape[0]
+    raise IndexError(f"no GGUF tensor holds expert {expert}")
 
 
 def grid_steps(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
@@ -93,26 +107,26 @@ def grid_steps(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
 
 class GGUFExperts:
     """Every expert of a converted GGUF model, read from the GGUF file: `tensors[(MoE layer, parameter)]` lists the
-    file's tensors that make the parameter, stacked along its rows (gate, then up)."""
+    weights that make the parameter, stacked along its rows (gate, then up), each as the file's tensors of it."""
 
-    def __init__(self, tensors: dict[tuple[int, str], list[ExpertTensor]], layer: MoELayer, num_layers: int) -> None:
+    def __init__(self, tensors: dict[tuple[int, str], list[Runs]], layer: MoELayer, num_layers: int) -> None:
         self.tensors = tensors
         self.layout = layer.layout
         self.keys: list[ExpertKey] = [(i, e) for i in range(num_layers) for e in range(layer.num_experts)]
 
-    @property
-    def all_float(self) -> bool:
-        return all(t.type in FLOAT_TYPES for parts in self.tensors.values() for t in parts)
+    def _parts(self, key: ExpertKey, name: str) -> list[tuple[ExpertTensor, int]]:
+        """The tensors holding one expert's parameter `name`, in row order, with the expert's index in each."""
+        layer, expert = key
+        return [_holding(runs, expert) for runs in self.tensors[(layer, name)]]
 
     def float_segments(self) -> dict[ExpertKey, list[Segment]]:
         """Each expert's parts on disk, in its `ExpertLayout`'s order (float experts only)."""
-        return {(i, e): [t.float_segment(e) for name, _ in self.layout.parts for t in self.tensors[(i, name)]]
-                for i, e in self.keys}
+        return {key: [t.float_segment(e) for name, _ in self.layout.parts for t, e in self._parts(key, name)]
+                for key in self.keys}
 
     def dequantized(self, key: ExpertKey) -> dict[str, torch.Tensor]:
         """One expert's parameters in float32, in the model's shapes."""
-        layer, expert = key
-        return {name: torch.cat([t.dequantized(expert) for t in self.tensors[(layer, name)]]).view(shape)
+        return {name: torch.cat([t.dequantized(e) for t, e in self._parts(key, name)]).view(shape)
                 for name, shape in self.layout.parts}
 
     def read_float(self, key: ExpertKey, flat: torch.Tensor) -> None:
@@ -123,10 +137,9 @@ class GGUFExperts:
 
     def grid_steps(self, key: ExpertKey) -> dict[str, torch.Tensor]:
         """The 4-bit grid step of each group of 32 of the expert's weights that are stored on one (`grid_steps`)."""
-        layer, expert = key
         steps = {}
         for name, _ in self.layout.parts:
-            found = [grid_steps(t.raw(expert), t.type) for t in self.tensors[(layer, name)]]
+            found = [grid_steps(t.raw(e), t.type) for t, e in self._parts(key, name)]
             if found and all(s is not None for s in found):
                 steps[name] = torch.cat(found)
         return steps
@@ -142,16 +155,26 @@ def gguf_experts(folder: Path, moe_layers: list[MoELayer]) -> GGUFExperts | None
     tensors = {}
     for i, layer in enumerate(moe_layers):
         for name, shape in layer.layout.parts:
-            parts = [ExpertTensor(**{**t, "shape": tuple(t["shape"])}) for t in recorded.get(f"{layer.path}.{name}", [])]
-            rows = sum(t.shape[1] for t in parts)
-            if not parts or any(t.shape[0] != layer.num_experts or t.shape[2] != shape[1] for t in parts) \
-                    or rows != shape[0]:
+            weights = [[_from_record(t) for t in runs] for runs in recorded.get(f"{layer.path}.{name}", [])]
+            if not _make(weights, layer.num_experts, shape):
                 raise CheckpointError(f"{folder}: the GGUF experts recorded for {layer.path}.{name} do not make "
                                       f"{layer.num_experts} × {list(shape)}; delete the folder to convert again")
-            for t in parts:
+            for t in (t for runs in weights for t in runs):
                 _check_file(folder, t)
-            tensors[(i, name)] = parts
+            tensors[(i, name)] = weights
     return GGUFExperts(tensors, moe_layers[0], len(moe_layers))
+
+
+def _from_record(record: dict) -> ExpertTensor:
+    return ExpertTensor(**{**record, "shape": tuple(record["shape"])})
+
+
+def _make(weights: list[Runs], experts: int, shape: tuple[int, int]) -> bool:
+    """Whether `weights`, stacked along rows, each its tensors along the experts, make `experts` × `shape`."""
+    rows = [{t.shape[1] for t in runs} for runs in weights]
+    return (bool(weights) and all(len(r) == 1 for r in rows) and sum(r.pop() for r in rows) == shape[0]
+            and all(sum(t.shape[0] for t in runs) == experts and all(t.shape[2] == shape[1] for t in runs)
+                    for runs in weights))
 
 
 def _check_file(folder: Path, t: ExpertTensor) -> None:
@@ -165,9 +188,9 @@ def _check_file(folder: Path, t: ExpertTensor) -> None:
                               f"from, is gone or shorter than it was; serve the GGUF file again")
 
 
-def recorded_experts(tensors: dict[str, list[ExpertTensor]]) -> dict[str, list[dict]]:
+def recorded_experts(tensors: dict[str, list[Runs]]) -> dict[str, list[list[dict]]]:
     """The marker's record of where each expert parameter lies (`gguf_experts` reads it)."""
-    return {name: [asdict(t) for t in parts] for name, parts in tensors.items()}
+    return {name: [[asdict(t) for t in runs] for runs in weights] for name, weights in tensors.items()}
 
 
 def has_quantized_experts(folder: Path) -> bool:
@@ -177,7 +200,7 @@ def has_quantized_experts(folder: Path) -> bool:
         recorded = json.loads((folder / MARKER).read_text())["experts"]
     except (OSError, ValueError, KeyError):
         return False
-    return any(t["type"] not in FLOAT_TYPES for parts in recorded.values() for t in parts)
+    return any(t["type"] not in FLOAT_TYPES for weights in recorded.values() for runs in weights for t in runs)
 
 
 def gguf_identity(folder: Path) -> bytes:

@@ -69,13 +69,15 @@ def test_a_gguf_file_gives_the_tokens_of_the_model_it_was_written_from(family, t
         assert engine.loaded.config.model_type == family
 
 
-def file_experts(path, model: torch.nn.Module) -> torch.nn.Module:
+def file_experts(path, model: torch.nn.Module, per_expert: bool = False) -> torch.nn.Module:
     """A copy of `model` whose experts are the GGUF file's, as gguf-py decodes them (what serving it must compute)."""
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
 
-    def decoded(layer: int, weight: str) -> torch.Tensor:
-        t = stored[f"blk.{layer}.ffn_{weight}_exps.weight"]
-        return torch.from_numpy(gguf.dequantize(t.data, t.tensor_type))
+    def decoded(layer: int, weight: str) -> torch.Tensor:  # [E, rows, columns]
+        names = ([f"blk.{layer}.ffn_{weight}.{e}.weight" for e in range(model.config.num_local_experts)]
+                 if per_expert else [f"blk.{layer}.ffn_{weight}_exps.weight"])
+        return torch.cat([torch.from_numpy(gguf.dequantize(stored[n].data, stored[n].tensor_type)).view(
+            -1, *stored[n].data.shape[-2:-1], int(stored[n].shape[0])) for n in names])
 
     copy = type(model)(model.config)
     copy.load_state_dict(model.state_dict())
@@ -102,6 +104,19 @@ def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, 
     assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == "float32"
     prompt_ids = engine.encode(PROMPT)
     assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+
+
+@pytest.mark.parametrize("expert_type", ["F32", "Q8_0"])
+def test_a_mixtral_file_with_a_tensor_per_expert_is_served(expert_type, tmp_path):
+    """llama.cpp wrote Mixtral's experts one tensor each (`ffn_gate.3`) until 2024; many published files still do."""
+    model = tiny_gguf_model("mixtral", seed=7)
+    path = write_gguf(model, tmp_path / "old-mixtral.gguf", expert_type, per_expert=True)
+    assert "blk.0.ffn_gate.7.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    reference = model if expert_type == "F32" else file_experts(path, model, per_expert=True)
+    for slots in (1, 2 * 8):
+        engine = load(path, slots, expert_dtype="bf16")
+        prompt_ids = engine.encode(PROMPT)
+        assert greedy(engine, prompt_ids) == transformers_greedy(reference, prompt_ids), f"{slots} slots"
 
 
 @pytest.mark.parametrize("expert_type", ["Q4_0", "Q4_1", "Q4_K"])
