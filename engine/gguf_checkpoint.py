@@ -86,6 +86,7 @@ def gguf_folder(source: Path) -> Path:
     folder = default_gguf_folder(parts[0], f"{identity}|v{CONVERTER_VERSION}")
     if (folder / DONE_MARKER).is_file():
         log.info("GGUF %s: using its conversion in %s", parts[0], folder)
+        _hint_if_it_holds_the_experts(folder)
         return folder
     partial = folder.with_name(f"{folder.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted conversion: start over
@@ -100,6 +101,16 @@ def gguf_folder(source: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
+
+
+def _hint_if_it_holds_the_experts(folder: Path) -> None:
+    """A conversion made before the experts stayed in the GGUF file still serves, from its float16 copy of them."""
+    if "experts" in json.loads((folder / DONE_MARKER).read_text()):
+        return
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    log.warning("GGUF: %s holds a float16 copy of the experts (%.1f GiB), as conversions before 2026-12-02 did; "
+                "delete that folder to reclaim the space: the next start converts again and reads the experts from the "
+                "GGUF file", folder, size / 2**30)
 
 
 def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:

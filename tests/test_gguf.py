@@ -309,6 +309,17 @@ def test_a_converted_model_whose_gguf_file_is_gone_says_so(tmp_path):
         load(folder, 3)
 
 
+def test_a_conversion_holding_float16_experts_says_how_to_reclaim_the_space(tmp_path, own_state_dir, caplog):
+    path = write_gguf(tiny_gguf_model("qwen3_moe", seed=8), tmp_path / "older.gguf", "Q8_0")
+    folder = resolve_model_path(str(path))
+    marker = json.loads((folder / gguf_checkpoint.DONE_MARKER).read_text())
+    del marker["experts"]  # as conversions before the experts stayed in the file wrote it
+    (folder / gguf_checkpoint.DONE_MARKER).write_text(json.dumps(marker))
+    with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
+        assert resolve_model_path(str(path)) == folder  # still served as it is
+    assert "float16 copy of the experts" in caplog.text and str(folder) in caplog.text
+
+
 def test_two_files_with_the_same_dense_weights_are_two_checkpoints(tmp_path):
     model = tiny_gguf_model("qwen3_moe", seed=6)
     folders = [resolve_model_path(str(write_gguf(model, tmp_path / f"{kind}.gguf", kind))) for kind in ("Q8_0", "Q4_1")]
