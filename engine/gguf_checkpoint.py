@@ -33,6 +33,8 @@ from transformers import (
     MixtralConfig,
     PretrainedConfig,
 )
+from transformers.core_model_loading import Concatenate, WeightConverter, rename_source_key
+from transformers.integrations.gguf import get_gguf_conversion_mapping, is_gguf_arch_supported
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     LlamaTensorProcessor,
@@ -55,7 +57,7 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama")
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe")
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -146,10 +148,9 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
-    processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
-    processor = (processor_class or TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name (merged: no `.weight`) → ours
-    target_of = {t.name: _target(names, t.name) for t, _ in tensors}
+    names = (MappedNames(arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(arch)
+             else LegacyNames(arch, config, model))
+    target_of = {t.name: target if (target := names.target(t.name)) in expected else None for t, _ in tensors}
     _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
     weights_of = defaultdict(set)  # expert parameter → the weights making it: gate_up_proj {gate, up}
     for t, _ in tensors:
@@ -166,12 +167,12 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
             if target is None:
                 unused.append(tensor.name)
             elif m := EXPERT_TENSOR.fullmatch(tensor.name):
+                names.check_expert(tensor.name)
                 experts[target][m["weight"]][int(m["expert"] or 0)] = _expert_tensor(
                     source, tensor, file, target, expected, len(weights_of[target]))
             else:
-                result = processor.process(weights=dequantize_parallel(tensor, pool), name=tensor.name)
-                weights = torch.from_numpy(np.ascontiguousarray(result.weights)).to(storage_dtype(tensor))
-                writer.add(target, weights, expected)
+                weights = names.convert(tensor.name, dequantize_parallel(tensor, pool))
+                writer.add(target, weights.contiguous().to(storage_dtype(tensor)), expected)
             if (i + 1) % 50 == 0:
                 log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(tensors),
                          writer.bytes_written / 2**30, time.monotonic() - started)
@@ -194,8 +195,6 @@ def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict
                    ) -> ExpertTensor:
     """Where a merged expert tensor lies in `file`, checked against the shape of the model's parameter `target`,
     `[E, rows, columns]`, of which it is one of `parts` (gate_up: gate, up)."""
-    if target not in expected:
-        raise CheckpointError(f"{source}: {tensor.name} maps to {target}, which the model lacks")
     _, rows, columns = expected[target]
     found = expert_tensor(tensor, file)
     if found.shape[1:] != (rows // parts, columns):
@@ -214,12 +213,59 @@ def _runs(source: Path, target: str, by_first_expert: dict[int, ExpertTensor], e
     return runs
 
 
-def _target(names: dict[str, str], name: str) -> str | None:
-    """Our parameter for a GGUF tensor (merged experts: without `.weight`); a per-expert one maps as its layer's
-    merged tensor does."""
-    if (m := EXPERT_TENSOR.fullmatch(name)) and m["expert"] is not None:
-        name = f"blk.{m['layer']}.ffn_{m['weight']}_exps.weight"
-    return names.get(name) or names.get(name.removesuffix(".weight"))
+class LegacyNames:
+    """GGUF tensor → our parameter by transformers' older GGUF reader: its name map and tensor processors (which
+    undo, for a llama, llama.cpp's permuted q/k rows)."""
+
+    def __init__(self, arch: str, config: PretrainedConfig, model: torch.nn.Module) -> None:
+        processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
+        self.processor = (processor_class or TensorProcessor)(config=config.to_dict())
+        self.names = get_gguf_hf_weights_map(model, self.processor, model_type=arch)  # merged: no `.weight`
+
+    def target(self, name: str) -> str | None:
+        """Our parameter for a GGUF tensor; a per-expert one (`ffn_gate.3`) maps as its layer's merged tensor."""
+        if (m := EXPERT_TENSOR.fullmatch(name)) and m["expert"] is not None:
+            name = f"blk.{m['layer']}.ffn_{m['weight']}_exps.weight"
+        return self.names.get(name) or self.names.get(name.removesuffix(".weight"))
+
+    def convert(self, name: str, weights: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.processor.process(weights=weights, name=name).weights))
+
+    def check_expert(self, name: str) -> None:
+        """Experts are read from the file as they lie: this reader changes none."""
+
+
+class MappedNames:
+    """GGUF tensor → our parameter by transformers' GGUF conversion mapping (`integrations.gguf`): renamings, and
+    converters that undo llama.cpp's changes to a tensor (norms stored as w + 1, reordered heads, ...)."""
+
+    def __init__(self, arch: str, config: PretrainedConfig, tensor_names: list[str]) -> None:
+        mapping = get_gguf_conversion_mapping(arch, config)
+        renamings = [t for t in mapping if not isinstance(t, WeightConverter)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        self.targets, self.converters = {}, {}
+        for name in tensor_names:  # each once: asking a renaming marks it used, as transformers' loader does
+            self.targets[name], pattern = rename_source_key(name, renamings, converters)
+            self.converters[name] = next((c for c in converters if pattern in c.source_patterns), None)
+
+    def target(self, name: str) -> str | None:
+        return self.targets.get(name)
+
+    def convert(self, name: str, weights: np.ndarray) -> torch.Tensor:
+        tensor, converter = torch.from_numpy(weights), self.converters[name]
+        for op in converter.operations if converter else ():
+            out = op.convert({name: [tensor]}, source_patterns=converter.source_patterns,
+                             target_patterns=converter.target_patterns, full_layer_name=self.targets[name])
+            (tensor,) = out.values()
+        return tensor
+
+    def check_expert(self, name: str) -> None:
+        """Experts are read from the file as they lie: refuse a mapping that would change more than their order
+        (gate's rows, then up's)."""
+        converter = self.converters[name]
+        if converter and not all(isinstance(op, Concatenate) and op.dim == 1 for op in converter.operations):
+            raise CheckpointError(f"GGUF {name}: transformers converts it with {converter.operations}, which "
+                                  f"moe-serve cannot read in place")
 
 
 def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
