@@ -182,7 +182,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
                     ", ".join(unused[:5]))
     _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
-              "identity": identity, "expert_types": _expert_types([t for t, _ in tensors]),
+              "identity": identity, "expert_types": _expert_types([t for t, _ in tensors if target_of[t.name]]),
               "experts": recorded_experts({target: [_runs(source, target, by_weight[w], expected[target][0])
                                                     for w in WEIGHT_ORDER if w in by_weight]
                                            for target, by_weight in experts.items()})}

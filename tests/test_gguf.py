@@ -106,6 +106,18 @@ def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, 
     assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
 
 
+def test_a_qwen3_5_file_with_a_multi_token_prediction_block_is_served_without_it(tmp_path, caplog):
+    model = tiny_gguf_model("qwen3_5_moe_text", seed=9)
+    path = write_gguf(model, tmp_path / "mtp.gguf", "Q8_0", mtp_block=True)
+    assert "blk.2.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
+        engine = load(path, 3)
+    assert "not used by qwen3_5_moe_text" in caplog.text and engine.loaded.config.num_hidden_layers == 2
+    assert engine.loaded.quant.expert_dtype == "int8" and len(engine.loaded.moe_layers) == 2
+    prompt_ids = engine.encode(PROMPT)
+    assert len(greedy(engine, prompt_ids)) == NEW_TOKENS
+
+
 @pytest.mark.parametrize("expert_type", ["F32", "Q8_0"])
 def test_a_mixtral_file_with_a_tensor_per_expert_is_served(expert_type, tmp_path):
     """llama.cpp wrote Mixtral's experts one tensor each (`ffn_gate.3`) until 2024; many published files still do."""
