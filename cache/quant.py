@@ -7,9 +7,10 @@ zero point, and integers `q` such that `w ≈ q * scale + zero`, so every elemen
 - int4: asymmetric, `scale = (max w - min w) / 15`, `zero = min w + 8 * scale`, `q` in -8..7: all 16
   levels span the group's own range; a group whose values already lie on 16 evenly spaced levels (a 4-bit
   GGUF file's, which need not reach the group's max) keeps that grid's step instead: the step the file's block
-  states where the caller has it (`steps`), else the one `grid_step` finds. The int4 kernels take a zero point beside each scale at no cost,
-  and a symmetric grid wastes a level and half the range on groups that are not centred (on the demo
-  model, whose weights come from an asymmetric Q4_1 GGUF, the grids coincide: bench/RESULTS.md).
+  states where the caller has it (`steps`), else the one `grid_step` finds. The int4 kernels take a zero point
+  beside each scale at no cost, and a symmetric grid wastes a level and half the range on groups that are not
+  centred (on the demo model, whose weights come from an asymmetric Q4_1 GGUF, the grids coincide:
+  bench/RESULTS.md).
 
 An expert is a list of named tensors (2-D weights are quantized, 1-D biases kept in the compute
 dtype) laid out back to back in one uint8 buffer by a `QuantLayout`, so it lives in the host store

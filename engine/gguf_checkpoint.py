@@ -205,9 +205,9 @@ def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict
 
 def _runs(source: Path, target: str, by_first_expert: dict[int, ExpertTensor], experts: int) -> list[ExpertTensor]:
     """One weight's tensors in expert order (one merged tensor, or one per expert), checked to hold every expert."""
-    runs = [by_first_expert[e] for e in sorted(by_first_expert)]
-    if sorted(by_first_expert) != [0] and sorted(by_first_expert) != list(range(experts)) \
-            or sum(t.shape[0] for t in runs) != experts:
+    firsts = sorted(by_first_expert)
+    runs = [by_first_expert[e] for e in firsts]
+    if firsts not in ([0], list(range(experts))) or sum(t.shape[0] for t in runs) != experts:
         raise CheckpointError(f"{source}: the tensors of {target} hold {sum(t.shape[0] for t in runs)} experts, "
                               f"the model has {experts}")
     return runs

@@ -234,13 +234,7 @@ def _gguf_sources(
         return None, experts.float_segments()
     if quant.expert_dtype in QUANT_DTYPES:
         return _quantized_sources(experts.keys, layer, dtype, device, quant, experts.read_float, experts.grid_steps)
-    layout = plan_float_layout(_param_specs(layer), dtype)
-
-    def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
-        pack_expert(layout, experts.dequantized(key), out)
-
-    return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, experts.keys, pack_one,
-                                    _pack_threads(layer))
+    return _decoded_sources(experts.keys, layer, dtype, quant, experts.dequantized)
 
 
 def _quantized_sources(
@@ -266,19 +260,29 @@ def _published_sources(
     """A published checkpoint's experts laid out once in the store: `auto` their published bytes,
     copied; `bf16` decoded into the compute dtype."""
     specs = _param_specs(layer)
-    if quant.expert_dtype == "auto":
-        layout = plan_published_layout(specs, fmt, next(iter(parts.values())), dtype)
+    if quant.expert_dtype != "auto":
+        return _decoded_sources(list(parts), layer, dtype, quant, lambda key: dequantized_expert(specs, fmt, parts[key]))
+    layout = plan_published_layout(specs, fmt, next(iter(parts.values())), dtype)
 
-        def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
-            pack_published_expert(layout, parts[key], out)
-    else:
-        layout = plan_float_layout(specs, dtype)
-
-        def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
-            pack_expert(layout, dequantized_expert(specs, fmt, parts[key]), out)
+    def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+        pack_published_expert(layout, parts[key], out)
 
     return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, list(parts), pack_one,
                                     _pack_threads(layer))
+
+
+def _decoded_sources(
+    keys: list[ExpertKey], layer: MoELayer, dtype: torch.dtype, quant: QuantRequest,
+    decode: Callable[[ExpertKey], dict[str, torch.Tensor]],
+) -> tuple[QuantLayout, dict[ExpertKey, list[Segment]]]:
+    """Experts stored quantized in the checkpoint, asked for as floats: `decode(key)` (the expert's parameters in
+    float32) once per expert, stored in the compute dtype."""
+    layout = plan_float_layout(_param_specs(layer), dtype)
+
+    def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+        pack_expert(layout, decode(key), out)
+
+    return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, keys, pack_one, _pack_threads(layer))
 
 
 def _pack_threads(layer: MoELayer) -> int:
