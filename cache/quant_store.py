@@ -135,13 +135,15 @@ def _write(
     threads: int,
 ) -> None:
     f.write(_header(metadata, layout, keys))
-    last_log = time.perf_counter()
+    started = last_log = time.perf_counter()
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for n, buffer in enumerate(_packed_in_order(pool, max(1, threads), layout, keys, pack_one), 1):
             f.write(buffer.numpy().data)
             if time.perf_counter() - last_log > 10:
-                log.info("quantizing experts: %d of %d", n, len(keys))
                 last_log = time.perf_counter()
+                left = (last_log - started) / n * (len(keys) - n)
+                log.info("storing the experts once: %d of %d, about %s left", n, len(keys),
+                         f"{left:.0f} s" if left < 90 else f"{left / 60:.0f} min")
 
 
 def _packed_in_order(
