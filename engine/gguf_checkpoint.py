@@ -45,7 +45,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
-from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, recorded_experts
+from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, read_marker, recorded_experts
 from engine.gguf_sources import split_parts
 from engine.moe_layers import interface_families
 from engine.paths import default_gguf_folder
@@ -107,7 +107,7 @@ def gguf_folder(source: Path) -> Path:
 
 def _hint_if_it_holds_the_experts(folder: Path) -> None:
     """A conversion made before the experts stayed in the GGUF file still serves, from its float16 copy of them."""
-    if "experts" in json.loads((folder / DONE_MARKER).read_text()):
+    if "experts" in read_marker(folder):
         return
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     log.warning("GGUF: %s holds a float16 copy of the experts (%.1f GiB), as conversions before 2026-12-02 did; "
@@ -310,9 +310,8 @@ def gguf_expert_dtype(folder: Path) -> str | None:
     """The expert form (`--expert-dtype`) nearest to how the GGUF file that `folder` was converted from stored
     its experts: `int4` where gate, up and down have at most 4 bits, `int4-mixed` where only down has more (as
     in llama.cpp's Q4_K_M), `int8` where gate or up have more; None for float experts or another folder."""
-    try:
-        types = json.loads((folder / DONE_MARKER).read_text())["expert_types"]
-    except (OSError, ValueError, KeyError):
+    types = read_marker(folder).get("expert_types")
+    if types is None:
         return None
     bits = {weight: max((GGUF_BITS.get(name, 16) for name in names), default=16) for weight, names in types.items()}
     gate_up = max(bits.get("gate", 16), bits.get("up", 16))

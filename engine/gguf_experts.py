@@ -145,12 +145,19 @@ class GGUFExperts:
         return steps
 
 
+def read_marker(folder: Path) -> dict:
+    """The GGUF conversion's marker in `folder`: {} for a folder that is no finished conversion."""
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def gguf_experts(folder: Path, moe_layers: list[MoELayer]) -> GGUFExperts | None:
     """The experts of a GGUF model converted into `folder`, read from its GGUF file; None for any other folder
     (including one converted before experts were left in the file: it holds them as safetensors)."""
-    try:
-        recorded = json.loads((folder / MARKER).read_text())["experts"]
-    except (OSError, ValueError, KeyError):
+    recorded = read_marker(folder).get("experts")
+    if recorded is None:
         return None
     tensors = {}
     for i, layer in enumerate(moe_layers):
@@ -196,17 +203,11 @@ def recorded_experts(tensors: dict[str, list[Runs]]) -> dict[str, list[list[dict
 def has_quantized_experts(folder: Path) -> bool:
     """Whether `folder` is a GGUF conversion whose experts are read from the file in a quantized GGML type (then
     even float experts are stored once, decoded, in the expert store)."""
-    try:
-        recorded = json.loads((folder / MARKER).read_text())["experts"]
-    except (OSError, ValueError, KeyError):
-        return False
+    recorded = read_marker(folder).get("experts", {})
     return any(t["type"] not in FLOAT_TYPES for weights in recorded.values() for runs in weights for t in runs)
 
 
 def gguf_identity(folder: Path) -> bytes:
     """The GGUF file's identity for a folder whose experts are read from it (paths, sizes, mtimes); b"" else."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return b""
+    marker = read_marker(folder)
     return json.dumps([marker.get("source"), marker.get("identity")]).encode() if "experts" in marker else b""
