@@ -19,9 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cache.host_store import Segment
 from cache.quant import DEFAULT_GROUP_SIZE, ParamSpec, plan_layout, unpack_expert
-from cache.quant_published import PublishedFormat, PublishedPart, plan_published_layout
+from cache.quant_published import PublishedFormat, plan_published_layout
 
 # (name, expert params as the model holds them, the published format, which params the checkpoint quantizes)
 MODELS = {
@@ -31,17 +30,9 @@ MODELS = {
                       ParamSpec("down_proj", (2880, 2880), True), ParamSpec("down_proj_bias", (2880,))],
                      PublishedFormat("mxfp4", (1, 32)), {"gate_up_proj": 1, "down_proj": 1}),
 }
-_NOWHERE = Segment(None, 0, 0, torch.uint8)  # planning reads no bytes
-
-
-def _parts(specs, quantized: dict[str, int]) -> dict[str, list[PublishedPart]]:
-    return {p.name: [PublishedPart(_NOWHERE, _NOWHERE)] * quantized[p.name] if p.name in quantized
-            else [PublishedPart(_NOWHERE)] for p in specs}
-
-
 def bytes_per_expert(specs, fmt: PublishedFormat, quantized: dict[str, int], device_type: str) -> dict[str, int]:
     elements = sum(torch.Size(p.shape).numel() for p in specs)
-    sizes = {"bf16": 2 * elements, "published": plan_published_layout(specs, fmt, _parts(specs, quantized), torch.bfloat16).nbytes}
+    sizes = {"bf16": 2 * elements, "published": plan_published_layout(specs, fmt, quantized, torch.bfloat16).nbytes}
     for dtype in ("int8", "int4"):
         sizes[dtype] = plan_layout(specs, dtype, DEFAULT_GROUP_SIZE[dtype], torch.bfloat16, device_type).nbytes
     return sizes
@@ -49,7 +40,7 @@ def bytes_per_expert(specs, fmt: PublishedFormat, quantized: dict[str, int], dev
 
 def _random_expert(specs, fmt: PublishedFormat, quantized: dict[str, int]):
     """A buffer of the published layout filled with valid random bytes (scales near 2^-8)."""
-    layout = plan_published_layout(specs, fmt, _parts(specs, quantized), torch.float32)
+    layout = plan_published_layout(specs, fmt, quantized, torch.float32)
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
     for t in layout.tensors:
         if t.packing == "raw":

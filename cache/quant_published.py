@@ -41,6 +41,7 @@ class PublishedPart:
 
 
 ExpertParts = Mapping[str, Sequence[PublishedPart]]  # parameter name → its parts, stacked along `out`
+PublishedValue = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a raw weight, or quantized bytes and scales
 
 
 def _aligned(n: int) -> int:
@@ -61,16 +62,23 @@ def plan_float_layout(params: Sequence[ParamSpec], compute_dtype: torch.dtype) -
     return QuantLayout(str(compute_dtype).removeprefix("torch."), compute_dtype, tuple(tensors), offset)
 
 
+def quantized_parts(parts: ExpertParts) -> dict[str, int]:
+    """Which weights of an expert are published quantized (as `parts` of one expert show), and in how many
+    stacked parts each."""
+    return {name: len(pieces) for name, pieces in parts.items() if pieces[0].scales is not None}
+
+
 def plan_published_layout(
-    params: Sequence[ParamSpec], fmt: PublishedFormat, parts: ExpertParts, compute_dtype: torch.dtype
+    params: Sequence[ParamSpec], fmt: PublishedFormat, quantized: Mapping[str, int], compute_dtype: torch.dtype
 ) -> QuantLayout:
-    """The published bytes of each weight `[out, in]` and then its scales; unquantized tensors (biases,
-    or weights the checkpoint left unquantized, as `parts` of one expert show) in the compute dtype."""
+    """The published bytes of each weight `[out, in]` and then its scales; unquantized tensors (biases, or
+    weights the checkpoint left unquantized: those not in `quantized`, which maps each quantized weight to its
+    stacked parts) in the compute dtype."""
     tensors, offset = [], 0
     for p in params:
-        quantized = p.quantized and parts[p.name][0].scales is not None
-        tensors.append(_published(p, fmt, len(parts[p.name]), offset) if quantized else _raw(p, compute_dtype, offset))
-        end = tensors[-1].scale_offset + tensors[-1].scale_nbytes if quantized else offset + tensors[-1].nbytes
+        is_quantized = p.quantized and p.name in quantized
+        tensors.append(_published(p, fmt, quantized[p.name], offset) if is_quantized else _raw(p, compute_dtype, offset))
+        end = tensors[-1].scale_offset + tensors[-1].scale_nbytes if is_quantized else offset + tensors[-1].nbytes
         offset = _aligned(end)
     return QuantLayout(fmt.method, compute_dtype, tuple(tensors), offset)
 
@@ -90,18 +98,31 @@ def _published(p: ParamSpec, fmt: PublishedFormat, row_parts: int, offset: int) 
 def pack_published_expert(layout: QuantLayout, parts: ExpertParts, out: torch.Tensor) -> None:
     """Copy an expert's published bytes into `out` (uint8 [layout.nbytes]): data and scales as
     published (scales widened to float32 where a checkpoint stores them narrower: exact)."""
-    out.zero_()  # padding bytes too: a buffer's bytes depend only on the weights
+    values = {}
     for t in layout.tensors:
         pieces = parts[t.name]
         if t.packing == "raw":
-            value = torch.cat([read_segment(p.data) for p in pieces]).to(layout.compute_dtype)
-            _fill(out, t.offset, t.nbytes, value, t.name)
+            values[t.name] = torch.cat([read_segment(p.data) for p in pieces])
             continue
         if any(p.scales is None for p in pieces):
             raise CheckpointError(f"{t.name}: quantized in one expert and not in another")
-        _fill(out, t.offset, t.nbytes, torch.cat([read_segment(p.data).view(torch.uint8) for p in pieces]), t.name)
-        scales = torch.cat([read_segment(p.scales).to(scale_dtype(t.packing, layout.compute_dtype)) for p in pieces])
-        _fill(out, t.scale_offset, t.scale_nbytes, scales, f"{t.name} scales")
+        values[t.name] = (torch.cat([read_segment(p.data).view(torch.uint8) for p in pieces]),
+                          torch.cat([read_segment(p.scales) for p in pieces]))
+    pack_published_values(layout, values, out)
+
+
+def pack_published_values(layout: QuantLayout, values: Mapping[str, PublishedValue], out: torch.Tensor) -> None:
+    """Lay an expert's weights into `out` (uint8 [layout.nbytes]): a raw one from its value, a quantized one from
+    its bytes and scales as published."""
+    out.zero_()  # padding bytes too: a buffer's bytes depend only on the weights
+    for t in layout.tensors:
+        if t.packing == "raw":
+            _fill(out, t.offset, t.nbytes, values[t.name].to(layout.compute_dtype), t.name)
+            continue
+        data, scales = values[t.name]
+        _fill(out, t.offset, t.nbytes, data, t.name)
+        _fill(out, t.scale_offset, t.scale_nbytes, scales.to(scale_dtype(t.packing, layout.compute_dtype)),
+              f"{t.name} scales")
 
 
 def _fill(out: torch.Tensor, offset: int, nbytes: int, value: torch.Tensor, what: str) -> None:

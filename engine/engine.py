@@ -50,7 +50,7 @@ from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
 from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.fim import ExtraFiles, detect_fim, fim_prompt_ids
 from engine.gguf_checkpoint import gguf_expert_dtype
-from engine.gguf_experts import has_quantized_experts
+from engine.gguf_experts import experts_stored_once
 from engine.host_memory import available_ram_bytes
 from engine.kv_budget import DEFAULT_KV_SHARE, GIB, model_max_len, warn_if_context_may_not_fit
 from engine.model_loader import CacheSizing, OffloadedModel, QuantRequest, load_offloaded_model
@@ -659,7 +659,7 @@ def _quant_request(config: EngineConfig, folder: Path, device: torch.device) -> 
     wanted = config.expert_dtype
     if wanted == "auto":
         wanted = gguf_expert_dtype(folder) or wanted  # a GGUF file's 4- or 8-bit experts stay that small
-    from_gguf = has_quantized_experts(folder)  # read from a GGUF file in its quantized types
+    from_gguf = experts_stored_once(folder)  # a GGUF file's experts, stored in the expert store once
     if wanted not in QUANT_DTYPES and published is None and not from_gguf:
         return None  # auto, bf16: the checkpoint's weights in --dtype
     group = DEFAULT_GROUP_SIZE.get(wanted, 0) if config.expert_group_size is None else config.expert_group_size

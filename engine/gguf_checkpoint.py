@@ -30,6 +30,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
 )
@@ -45,9 +46,9 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
-from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, read_marker, recorded_experts
+from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, out_in, read_marker, recorded_experts
 from engine.gguf_sources import split_parts
-from engine.moe_layers import interface_families
+from engine.moe_layers import find_moe_layers, interface_families
 from engine.paths import default_gguf_folder
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe")
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss")
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -72,8 +73,10 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
-# a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024)
-EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<weight>gate|up|down)(?:_exps|\.(?P<expert>\d+))\.weight")
+# a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
+# biases where the family has them (GPT-OSS)
+EXPERT_TENSOR = re.compile(
+    r"blk\.(?P<layer>\d+)\.ffn_(?P<weight>gate|up|down)(?:_exps|\.(?P<expert>\d+))\.(?P<kind>weight|bias)")
 WEIGHT_ORDER = ("gate", "up", "down")  # gate_up_proj: gate's rows first
 
 
@@ -150,6 +153,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
 
     names = (MappedNames(arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(arch)
              else LegacyNames(arch, config, model))
+    transposed = bool(getattr(find_moe_layers(model)[0].experts, "is_transposed", False))
     target_of = {t.name: target if (target := names.target(t.name)) in expected else None for t, _ in tensors}
     _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
     weights_of = defaultdict(set)  # expert parameter → the weights making it: gate_up_proj {gate, up}
@@ -169,7 +173,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
             elif m := EXPERT_TENSOR.fullmatch(tensor.name):
                 names.check_expert(tensor.name)
                 experts[target][m["weight"]][int(m["expert"] or 0)] = _expert_tensor(
-                    source, tensor, file, target, expected, len(weights_of[target]))
+                    source, tensor, file, target, expected, len(weights_of[target]), transposed)
             else:
                 weights = names.convert(tensor.name, dequantize_parallel(tensor, pool))
                 writer.add(target, weights.contiguous().to(storage_dtype(tensor)), expected)
@@ -183,6 +187,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
               "identity": identity, "expert_types": _expert_types([t for t, _ in tensors if target_of[t.name]]),
+              "in_place": not transposed and getattr(find_moe_layers(model)[0].experts, "is_concatenated", True),
               "experts": recorded_experts({target: [_runs(source, target, by_weight[w], expected[target][0])
                                                     for w in WEIGHT_ORDER if w in by_weight]
                                            for target, by_weight in experts.items()})}
@@ -191,11 +196,11 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
              writer.bytes_written / 2**30)
 
 
-def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict[str, tuple], parts: int
-                   ) -> ExpertTensor:
-    """Where a merged expert tensor lies in `file`, checked against the shape of the model's parameter `target`,
-    `[E, rows, columns]`, of which it is one of `parts` (gate_up: gate, up)."""
-    _, rows, columns = expected[target]
+def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict[str, tuple], parts: int,
+                   transposed: bool) -> ExpertTensor:
+    """Where a merged expert tensor lies in `file`, checked against the shape of the model's parameter `target`
+    (`[E, ...]`, `transposed`: `[E, in, out]`), of which it is one of `parts` (gate_up: gate, up)."""
+    rows, columns = out_in(expected[target][1:], transposed)
     found = expert_tensor(tensor, file)
     if found.shape[1:] != (rows // parts, columns):
         raise CheckpointError(f"{source}: {tensor.name} has rows of shape {list(found.shape[1:])}, the model expects "
@@ -221,12 +226,19 @@ class LegacyNames:
         processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
         self.processor = (processor_class or TensorProcessor)(config=config.to_dict())
         self.names = get_gguf_hf_weights_map(model, self.processor, model_type=arch)  # merged: no `.weight`
+        self.experts = {layer.decoder_layer: layer.path for layer in find_moe_layers(model)}
 
     def target(self, name: str) -> str | None:
-        """Our parameter for a GGUF tensor; a per-expert one (`ffn_gate.3`) maps as its layer's merged tensor."""
-        if (m := EXPERT_TENSOR.fullmatch(name)) and m["expert"] is not None:
-            name = f"blk.{m['layer']}.ffn_{m['weight']}_exps.weight"
-        return self.names.get(name) or self.names.get(name.removesuffix(".weight"))
+        """Our parameter for a GGUF tensor; a per-expert one (`ffn_gate.3`) maps as its layer's merged tensor, and
+        an expert tensor the name map lacks (GPT-OSS's) to its layer's fused parameter."""
+        m = EXPERT_TENSOR.fullmatch(name)
+        if m and m["expert"] is not None:
+            name = f"blk.{m['layer']}.ffn_{m['weight']}_exps.{m['kind']}"
+        found = self.names.get(name) or self.names.get(name.removesuffix(".weight"))
+        if found is None and m and int(m["layer"]) in self.experts:
+            fused = "down_proj" if m["weight"] == "down" else "gate_up_proj"
+            found = f"{self.experts[int(m['layer'])]}.{fused}{'_bias' if m['kind'] == 'bias' else ''}"
+        return found
 
     def convert(self, name: str, weights: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(self.processor.process(weights=weights, name=name).weights))
@@ -289,6 +301,8 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
     if arch not in CONVERTED_ARCHS:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one moe-serve converts (it converts "
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
+    if arch == "gpt-oss":  # transformers' GGUF reader fails on its YaRN keys
+        return gpt_oss_config(reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -306,13 +320,41 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
     return config
 
 
+def gpt_oss_config(reader) -> GptOssConfig:
+    """GPT-OSS's config from the keys llama.cpp writes; what they leave out is GPT-OSS's own (its SwiGLU clamp,
+    sliding and full attention alternating from the first layer, YaRN's betas)."""
+
+    def key(name: str, default=None):
+        field = reader.fields.get(f"gpt-oss.{name}")
+        return default if field is None else field.contents()
+
+    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
+    if key("rope.scaling.type") == "yarn":
+        rope = {**GptOssConfig().rope_parameters, **rope, "rope_type": "yarn",
+                "factor": float(key("rope.scaling.factor")),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
+        for beta in ("beta_fast", "beta_slow"):
+            rope[beta] = float(key(f"rope.scaling.yarn_{beta}", rope[beta]))
+    return GptOssConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        num_hidden_layers=int(key("block_count")), num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
+        num_local_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), sliding_window=int(key("attention.sliding_window")),
+        max_position_embeddings=int(key("context_length")), rope_parameters=rope)
+
+
 def gguf_expert_dtype(folder: Path) -> str | None:
     """The expert form (`--expert-dtype`) nearest to how the GGUF file that `folder` was converted from stored
-    its experts: `int4` where gate, up and down have at most 4 bits, `int4-mixed` where only down has more (as
-    in llama.cpp's Q4_K_M), `int8` where gate or up have more; None for float experts or another folder."""
+    its experts: `mxfp4` where all are MXFP4 (kept as they are), `int4` where gate, up and down have at most 4
+    bits, `int4-mixed` where only down has more (as in llama.cpp's Q4_K_M), `int8` where gate or up have more;
+    None for float experts or another folder."""
     types = read_marker(folder).get("expert_types")
     if types is None:
         return None
+    if types and all(names == ["MXFP4"] for names in types.values()):
+        return "mxfp4"
     bits = {weight: max((GGUF_BITS.get(name, 16) for name in names), default=16) for weight, names in types.items()}
     gate_up = max(bits.get("gate", 16), bits.get("up", 16))
     if gate_up > 8 or not types:
@@ -326,7 +368,7 @@ def _expert_types(tensors) -> dict[str, list[str]]:
     """The GGUF types of the expert tensors, by weight (`gate`, `up`, `down`)."""
     types: dict[str, set[str]] = {}
     for tensor in tensors:
-        if m := EXPERT_TENSOR.fullmatch(tensor.name):
+        if (m := EXPERT_TENSOR.fullmatch(tensor.name)) and m["kind"] == "weight":
             types.setdefault(m["weight"], set()).add(tensor.tensor_type.name)
     return {weight: sorted(names) for weight, names in types.items()}
 

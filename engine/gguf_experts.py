@@ -23,6 +23,8 @@ import torch
 
 from cache.host_store import Segment, read_segment
 from cache.policy import ExpertKey
+from cache.quant_formats import MXFP4_BLOCK
+from cache.quant_published import PublishedValue
 from cache.safetensors_index import CheckpointError
 from engine.moe_layers import MoELayer
 
@@ -63,6 +65,19 @@ class ExpertTensor:
 
         return torch.from_numpy(dequantize(self.raw(expert), GGMLQuantizationType[self.type]))
 
+    def mxfp4(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MXFP4 expert's rows as a published MXFP4 checkpoint holds them (`cache.quant_formats`): the 4-bit
+        codes uint8 `[rows, columns / 2]`, element 2k in byte k's low nibble and 2k + 1 in its high one, and
+        the E8M0 scale of each 32, uint8 `[rows, columns / 32]`. A GGML block is that scale then 16 bytes with
+        elements 0-15 in the low nibbles and 16-31 in the high ones; both read an element as `e2m1 × 2^(scale -
+        127)` (GGML's table holds twice e2m1, its scale half the power)."""
+        blocks = self.raw(expert).reshape(self.shape[1], -1, 1 + MXFP4_BLOCK // 2)  # [rows, blocks, 17]
+        scales, codes = blocks[..., 0], blocks[..., 1:]
+        elements = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [rows, blocks, 32] in order
+        packed = elements[..., 0::2] | (elements[..., 1::2] << 4)
+        return (torch.from_numpy(np.ascontiguousarray(packed).reshape(self.shape[1], -1)),
+                torch.from_numpy(np.ascontiguousarray(scales)))
+
     def float_segment(self, expert: int) -> Segment:
         dtype = FLOAT_TYPES[self.type]
         numel = self.shape[1] * self.shape[2]
@@ -71,8 +86,10 @@ class ExpertTensor:
 
 def expert_tensor(tensor, file: Path) -> ExpertTensor:
     """The place of a gguf-py `ReaderTensor` read from `file` (GGUF lists shapes columns first; a per-expert
-    tensor has no expert axis)."""
+    tensor has no expert axis; a bias, `[experts, rows]`, is held as one column of rows)."""
     shape = tuple(int(n) for n in reversed(tensor.shape))
+    if tensor.name.endswith(".bias"):
+        shape = (*shape, 1)
     return ExpertTensor(str(file), int(tensor.data_offset), tensor.tensor_type.name, shape if len(shape) == 3 else (1, *shape))
 
 
@@ -107,27 +124,48 @@ def grid_steps(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
 
 class GGUFExperts:
     """Every expert of a converted GGUF model, read from the GGUF file: `tensors[(MoE layer, parameter)]` lists the
-    weights that make the parameter, stacked along its rows (gate, then up), each as the file's tensors of it."""
+    weights that make the parameter, each as the file's tensors of it. The file holds every weight `[out, in]`
+    and a parameter's weights stacked by rows (gate's, then up's); a family may hold them otherwise, as its
+    experts module says: `is_transposed` (`[in, out]`), or not `is_concatenated` (gate and up rows alternating:
+    GPT-OSS)."""
 
     def __init__(self, tensors: dict[tuple[int, str], list[Runs]], layer: MoELayer, num_layers: int) -> None:
         self.tensors = tensors
         self.layout = layer.layout
+        self.transposed = bool(getattr(layer.experts, "is_transposed", False))
+        self.interleaved = not getattr(layer.experts, "is_concatenated", True)
         self.keys: list[ExpertKey] = [(i, e) for i in range(num_layers) for e in range(layer.num_experts)]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the family holds each expert as the file does, so float experts can be read where they lie."""
+        return not (self.transposed or self.interleaved)
 
     def _parts(self, key: ExpertKey, name: str) -> list[tuple[ExpertTensor, int]]:
         """The tensors holding one expert's parameter `name`, in row order, with the expert's index in each."""
         layer, expert = key
         return [_holding(runs, expert) for runs in self.tensors[(layer, name)]]
 
+    def _stacked(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """One parameter's weights (`[rows, ...]` each: gate, up) stacked by rows as the family stacks them."""
+        if self.interleaved and len(pieces) > 1:
+            return torch.stack(pieces, dim=1).flatten(0, 1)  # gate row 0, up row 0, gate row 1, ...
+        return torch.cat(pieces)
+
     def float_segments(self) -> dict[ExpertKey, list[Segment]]:
-        """Each expert's parts on disk, in its `ExpertLayout`'s order (float experts only)."""
+        """Each expert's parts on disk, in its `ExpertLayout`'s order (float experts of a family that holds them
+        as the file does only)."""
+        assert self.in_place, "this family's experts are laid out again, not read in place"
         return {key: [t.float_segment(e) for name, _ in self.layout.parts for t, e in self._parts(key, name)]
                 for key in self.keys}
 
     def dequantized(self, key: ExpertKey) -> dict[str, torch.Tensor]:
         """One expert's parameters in float32, in the model's shapes."""
-        return {name: torch.cat([t.dequantized(e) for t, e in self._parts(key, name)]).view(shape)
-                for name, shape in self.layout.parts}
+        return {name: self._dequantized(key, name, shape) for name, shape in self.layout.parts}
+
+    def _dequantized(self, key: ExpertKey, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        weight = self._stacked([t.dequantized(e) for t, e in self._parts(key, name)])  # [out, in]; a bias [out, 1]
+        return (weight.t() if self.transposed and len(shape) == 2 else weight).reshape(shape)
 
     def read_float(self, key: ExpertKey, flat: torch.Tensor) -> None:
         """Fill `flat` (float32 `[layout.numel]`) with one expert."""
@@ -136,13 +174,27 @@ class GGUFExperts:
             views[name].copy_(value)
 
     def grid_steps(self, key: ExpertKey) -> dict[str, torch.Tensor]:
-        """The 4-bit grid step of each group of 32 of the expert's weights that are stored on one (`grid_steps`)."""
+        """The 4-bit grid step of each group of 32 of the expert's weights that are stored on one (`grid_steps`),
+        `[out, in / 32]`."""
         steps = {}
         for name, _ in self.layout.parts:
             found = [grid_steps(t.raw(e), t.type) for t, e in self._parts(key, name)]
             if found and all(s is not None for s in found):
-                steps[name] = torch.cat(found)
+                steps[name] = self._stacked(found)
         return steps
+
+    def mxfp4_values(self, key: ExpertKey) -> dict[str, PublishedValue]:
+        """One expert as a published MXFP4 checkpoint holds it: each MXFP4 weight's codes and scales (`[out,
+        in / 2]`, `[out, in / 32]`, `ExpertTensor.mxfp4`), every other parameter (biases) in float32."""
+        values = {}
+        for name, shape in self.layout.parts:
+            parts = self._parts(key, name)
+            if all(t.type == "MXFP4" for t, _ in parts):
+                codes, scales = zip(*(t.mxfp4(e) for t, e in parts))
+                values[name] = (self._stacked(list(codes)), self._stacked(list(scales)))
+            else:
+                values[name] = self._dequantized(key, name, shape)
+        return values
 
 
 def read_marker(folder: Path) -> dict:
@@ -163,7 +215,7 @@ def gguf_experts(folder: Path, moe_layers: list[MoELayer]) -> GGUFExperts | None
     for i, layer in enumerate(moe_layers):
         for name, shape in layer.layout.parts:
             weights = [[_from_record(t) for t in runs] for runs in recorded.get(f"{layer.path}.{name}", [])]
-            if not _make(weights, layer.num_experts, shape):
+            if not _make(weights, layer.num_experts, out_in(shape, bool(getattr(layer.experts, "is_transposed", 0)))):
                 raise CheckpointError(f"{folder}: the GGUF experts recorded for {layer.path}.{name} do not make "
                                       f"{layer.num_experts} × {list(shape)}; delete the folder to convert again")
             for t in (t for runs in weights for t in runs):
@@ -176,8 +228,16 @@ def _from_record(record: dict) -> ExpertTensor:
     return ExpertTensor(**{**record, "shape": tuple(record["shape"])})
 
 
+def out_in(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
+    """One expert parameter of the model's `shape` as the GGUF file holds it, `[out, in]`; a bias `[out, 1]`."""
+    if len(shape) == 1:
+        return shape[0], 1
+    return (shape[1], shape[0]) if transposed else (shape[0], shape[1])
+
+
 def _make(weights: list[Runs], experts: int, shape: tuple[int, int]) -> bool:
-    """Whether `weights`, stacked along rows, each its tensors along the experts, make `experts` × `shape`."""
+    """Whether `weights`, stacked along rows, each its tensors along the experts, make `experts` × `shape`
+    (`[out, in]`)."""
     rows = [{t.shape[1] for t in runs} for runs in weights]
     return (bool(weights) and all(len(r) == 1 for r in rows) and sum(r.pop() for r in rows) == shape[0]
             and all(sum(t.shape[0] for t in runs) == experts and all(t.shape[2] == shape[1] for t in runs)
@@ -200,11 +260,14 @@ def recorded_experts(tensors: dict[str, list[Runs]]) -> dict[str, list[list[dict
     return {name: [[asdict(t) for t in runs] for runs in weights] for name, weights in tensors.items()}
 
 
-def has_quantized_experts(folder: Path) -> bool:
-    """Whether `folder` is a GGUF conversion whose experts are read from the file in a quantized GGML type (then
-    even float experts are stored once, decoded, in the expert store)."""
-    recorded = read_marker(folder).get("experts", {})
-    return any(t["type"] not in FLOAT_TYPES for weights in recorded.values() for runs in weights for t in runs)
+def experts_stored_once(folder: Path) -> bool:
+    """Whether `folder` is a GGUF conversion whose experts are stored once in the expert store rather than read
+    where they lie: those of a quantized GGML type (then even float experts are stored, decoded), or of a family
+    that holds its experts otherwise than the file (`GGUFExperts.in_place`)."""
+    marker = read_marker(folder)
+    recorded = marker.get("experts", {})
+    quantized = any(t["type"] not in FLOAT_TYPES for weights in recorded.values() for runs in weights for t in runs)
+    return quantized or not marker.get("in_place", True)
 
 
 def gguf_identity(folder: Path) -> bytes:

@@ -21,13 +21,16 @@ from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
 from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import ExpertKey, make_policy
 from cache.quant import QUANT_DTYPES, ParamSpec, QuantLayout, pack_expert, plan_layout
+from cache.quant_formats import MXFP4_BLOCK
 from cache.quant_published import (
     ExpertParts,
     PublishedFormat,
     dequantized_expert,
     pack_published_expert,
+    pack_published_values,
     plan_float_layout,
     plan_published_layout,
+    quantized_parts,
 )
 from cache.quant_store import open_quant_store
 from cache.runtime import ExpertRuntime
@@ -229,12 +232,31 @@ def _gguf_sources(
     experts: GGUFExperts, layer: MoELayer, dtype: torch.dtype, device: torch.device, quant: QuantRequest | None
 ) -> tuple[QuantLayout | None, dict[ExpertKey, list[Segment]]]:
     """A GGUF model's experts, read from its file: float ones where they lie; else stored once in the form asked
-    for (int8/int4 on the file's own 4-bit grids where it has them; any other dtype: decoded into `dtype`)."""
+    for (int8/int4 on the file's own 4-bit grids where it has them; mxfp4: MXFP4 experts as the file holds them;
+    any other dtype: decoded into `dtype`)."""
     if quant is None:
         return None, experts.float_segments()
     if quant.expert_dtype in QUANT_DTYPES:
         return _quantized_sources(experts.keys, layer, dtype, device, quant, experts.read_float, experts.grid_steps)
+    if quant.expert_dtype == "mxfp4":
+        return _gguf_mxfp4_sources(experts, layer, dtype, quant)
     return _decoded_sources(experts.keys, layer, dtype, quant, experts.dequantized)
+
+
+def _gguf_mxfp4_sources(
+    experts: GGUFExperts, layer: MoELayer, dtype: torch.dtype, quant: QuantRequest
+) -> tuple[QuantLayout, dict[ExpertKey, list[Segment]]]:
+    """A GGUF file's MXFP4 experts stored once as a published MXFP4 checkpoint's are: the same 4-bit codes and
+    scales, reordered (`GGUFExperts.mxfp4_values`); biases in the compute dtype."""
+    first = experts.mxfp4_values(experts.keys[0])
+    quantized = {name: 1 for name, value in first.items() if isinstance(value, tuple)}
+    layout = plan_published_layout(_param_specs(layer), PublishedFormat("mxfp4", (1, MXFP4_BLOCK)), quantized, dtype)
+
+    def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
+        pack_published_values(layout, experts.mxfp4_values(key), out)
+
+    return layout, open_quant_store(quant.store_path, quant.checkpoint, layout, experts.keys, pack_one,
+                                    _pack_threads(layer))
 
 
 def _quantized_sources(
@@ -262,7 +284,7 @@ def _published_sources(
     specs = _param_specs(layer)
     if quant.expert_dtype != "auto":
         return _decoded_sources(list(parts), layer, dtype, quant, lambda key: dequantized_expert(specs, fmt, parts[key]))
-    layout = plan_published_layout(specs, fmt, next(iter(parts.values())), dtype)
+    layout = plan_published_layout(specs, fmt, quantized_parts(next(iter(parts.values()))), dtype)
 
     def pack_one(key: ExpertKey, out: torch.Tensor) -> None:
         pack_published_expert(layout, parts[key], out)

@@ -84,8 +84,13 @@ def file_experts(path, model: torch.nn.Module, per_expert: bool = False) -> torc
     copy.eval()
     for i in range(model.config.num_hidden_layers):
         experts = copy.model.layers[i].mlp.experts
-        experts.gate_up_proj.data.copy_(torch.cat([decoded(i, "gate"), decoded(i, "up")], dim=1))
-        experts.down_proj.data.copy_(decoded(i, "down"))
+        gate, up, down = decoded(i, "gate"), decoded(i, "up"), decoded(i, "down")  # [E, I, H] × 2, [E, H, I]
+        if experts.is_transposed:  # GPT-OSS: [E, H, 2I], gate and up columns alternating; [E, I, H]
+            experts.gate_up_proj.data.copy_(torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2))
+            experts.down_proj.data.copy_(down.transpose(1, 2))
+        else:
+            experts.gate_up_proj.data.copy_(torch.cat([gate, up], dim=1))
+            experts.down_proj.data.copy_(down)
     return copy
 
 

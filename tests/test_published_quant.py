@@ -12,10 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cache.host_store import Segment
 from cache.quant import ParamSpec, unpack_expert
 from cache.quant_formats import dequantize_fp8, dequantize_mxfp4
-from cache.quant_published import PublishedFormat, PublishedPart, plan_published_layout
+from cache.quant_published import PublishedFormat, plan_published_layout
 from cache.safetensors_index import CheckpointError
 from engine.checkpoint import read_config_dict
 from engine.config import EngineConfig
@@ -150,17 +149,15 @@ def test_mxfp4_expert_bytes_are_the_published_bytes(mxfp4_folders):
 
 def test_published_layout_bytes_per_expert():
     """DeepSeek-V3 (H 7168, I 2048, FP8 128 × 128) and GPT-OSS-120B (H = I = 2880, MXFP4) experts."""
-    part = PublishedPart(Segment(None, 0, 0, torch.uint8), Segment(None, 0, 0, torch.uint8))
     deepseek = [ParamSpec("gate_up_proj", (4096, 7168)), ParamSpec("down_proj", (7168, 2048))]
-    layout = plan_published_layout(deepseek, PublishedFormat("fp8", (128, 128)), {
-        "gate_up_proj": [part, part], "down_proj": [part]}, torch.bfloat16)
+    layout = plan_published_layout(deepseek, PublishedFormat("fp8", (128, 128)), {"gate_up_proj": 2, "down_proj": 1},
+                                   torch.bfloat16)
     weights = 3 * 2048 * 7168
     assert layout.nbytes == weights + 4 * (2 * 16 * 56 + 56 * 16)  # one byte each, a float32 per 128 × 128
     gpt_oss = [ParamSpec("gate_up_proj", (2880, 5760), True), ParamSpec("gate_up_proj_bias", (5760,)),
                ParamSpec("down_proj", (2880, 2880), True), ParamSpec("down_proj_bias", (2880,))]
-    layout = plan_published_layout(gpt_oss, PublishedFormat("mxfp4", (1, 32)), {
-        name: [part if "bias" not in name else PublishedPart(part.data)] for name in
-        ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}, torch.bfloat16)
+    layout = plan_published_layout(gpt_oss, PublishedFormat("mxfp4", (1, 32)), {"gate_up_proj": 1, "down_proj": 1},
+                                   torch.bfloat16)
     weights = 3 * 2880 * 2880
     biases = 2 * (5760 + 2880)
     assert weights // 2 + weights // 32 + biases <= layout.nbytes < weights // 2 + weights // 32 + biases + 4 * 64
