@@ -58,7 +58,11 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss")
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "minimax-m2")
+# files of a model moe-serve serves, in another program's own layout: what to serve instead
+OTHER_LAYOUTS = {"gptoss": "Ollama's own layout of GPT-OSS (`ollama pull gpt-oss`), which moe-serve does not read; "
+                           "serve llama.cpp's GGUF of it (`--model ggml-org/gpt-oss-20b-GGUF:MXFP4`, or -120b) or "
+                           "its Hugging Face checkpoint (`--model openai/gpt-oss-20b`)"}
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -72,6 +76,8 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
                               "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"), 4),
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# tokens that end a turn which a family's files do not name; llama.cpp finds them by their text at load
+TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}  # GPT-OSS: a final answer, a tool call (eos: the first)
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
 # biases where the family has them (GPT-OSS)
@@ -298,6 +304,8 @@ def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
 
 def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
     """The model's config as transformers reads it from the file, with the expert sizes it misses."""
+    if arch in OTHER_LAYOUTS:
+        raise CheckpointError(f"{source}: GGUF architecture {arch!r} is {OTHER_LAYOUTS[arch]}")
     if arch not in CONVERTED_ARCHS:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one moe-serve converts (it converts "
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
@@ -454,6 +462,8 @@ def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) 
     tokenizer.save_pretrained(out)
     generation = GenerationConfig.from_model_config(config)
     ends = [int(reader.fields[key].contents()) for key in END_ID_KEYS if key in reader.fields]
+    vocab = tokenizer.get_vocab()
+    ends += [vocab[token] for token in TURN_END_TOKENS.get(config.model_type, ()) if token in vocab]
     if ends:
         generation.eos_token_id = sorted(set(ends), key=ends.index)
     generation.save_pretrained(out)

@@ -157,6 +157,42 @@ def test_int4_takes_a_4_bit_files_grid_from_its_blocks(expert_type):
         assert error(torch.float32, torch.zeros_like(steps)) > 0.01
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_mxfp4_experts_are_kept_as_the_file_holds_them(family, tmp_path):
+    """GPT-OSS files hold their experts in MXFP4, as llama.cpp's MXFP4_MOE files of any model do: served in those
+    4-bit codes and scales, not rounded onto int4's grid; GPT-OSS's gate and up rows interleaved again and its
+    weights `[in, out]`, as the model holds them."""
+    model = tiny_gguf_model(family, seed=11)
+    path = write_gguf(model, tmp_path / "mxfp4.gguf", "MXFP4")
+    as_file = file_experts(path, model)
+    for slots in (1, 2 * 8):
+        engine = load(path, slots)
+        assert engine.loaded.quant.expert_dtype == "mxfp4"
+        prompt_ids = engine.encode(PROMPT)
+        assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids), f"{slots} slots"
+    assert engine.loaded.config.rope_parameters == model.config.rope_parameters  # GPT-OSS: YaRN, from the file
+    with engine.loaded.host.hold((1, 5)) as buffer:
+        gate_up = unpack_expert(engine.loaded.quant, buffer)["gate_up_proj"].dequantize(torch.float32)  # [2I, H]
+    held = as_file.model.layers[1].mlp.experts.gate_up_proj[5].detach()
+    assert torch.equal(gate_up, held.t() if family == "gpt_oss" else held)  # the file's values exactly
+    as_float = load(path, 3, expert_dtype="bf16")  # float32 on the CPU
+    assert engine.loaded.host.bytes_per_expert * 5 < as_float.loaded.host.bytes_per_expert
+
+
+def test_a_gpt_oss_files_4_bit_experts_are_stored_on_its_own_grid(tmp_path):
+    """int4 of a Q4_0 GPT-OSS file: each group's step taken from the file's block, rows interleaved as the weights'."""
+    model = tiny_gguf_model("gpt_oss", seed=12)
+    path = write_gguf(model, tmp_path / "q4.gguf", "Q4_0")
+    engine = load(path, 3)
+    assert engine.loaded.quant.expert_dtype == "int4"
+    assert len(greedy(engine, engine.encode(PROMPT))) == NEW_TOKENS
+    with engine.loaded.host.hold((0, 2)) as buffer:
+        gate_up = unpack_expert(engine.loaded.quant, buffer)["gate_up_proj"]
+        stored = gate_up.linear(torch.eye(gate_up.shape[1])).t()  # [2I, H]
+    in_file = file_experts(path, model).model.layers[0].mlp.experts.gate_up_proj[2].detach().t()
+    assert ((stored - in_file).norm() / in_file.norm()).item() < 0.01
+
+
 def test_the_tokenizer_and_chat_template_are_the_files(tmp_path):
     path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "t.gguf")
     folder = resolve_model_path(str(path))
@@ -181,6 +217,15 @@ def test_generation_stops_at_each_id_the_file_says_ends_a_turn(tmp_path):
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [
         direct.eos_token_id, end_of_turn]
     assert {direct.eos_token_id, end_of_turn} <= load(path, 16).eos_ids
+
+
+def test_a_gpt_oss_turn_ends_at_a_final_answer_and_at_a_tool_call(tmp_path):
+    """GPT-OSS's files name only `<|return|>` as their end; a tool call ends with `<|call|>` (llama.cpp and the
+    model's own generation config stop there too)."""
+    path = write_gguf(tiny_gguf_model("gpt_oss"), tmp_path / "harmony.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
+    ends = json.loads((resolve_model_path(str(path)) / "generation_config.json").read_text())["eos_token_id"]
+    assert ends == [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])]
 
 
 def test_a_file_is_converted_once_and_again_when_it_changes(tmp_path, own_state_dir, monkeypatch):
@@ -218,15 +263,19 @@ def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
     assert converted_folders() == []  # nothing half-written is left
 
 
-def test_an_architecture_not_converted_is_refused_by_name(tmp_path, own_state_dir):
-    writer = gguf.GGUFWriter(tmp_path / "oss.gguf", "gpt-oss")
+@pytest.mark.parametrize("arch, says", [
+    ("deepseek2", "GGUF architecture 'deepseek2' is not one moe-serve converts"),
+    ("gptoss", "GGUF architecture 'gptoss' is Ollama's own layout of GPT-OSS.*ggml-org/gpt-oss-20b-GGUF:MXFP4"),
+])
+def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
+    writer = gguf.GGUFWriter(tmp_path / "other.gguf", arch)
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt-oss' is not one moe-serve converts"):
-        resolve_model_path(str(tmp_path / "oss.gguf"))
+    with pytest.raises(CheckpointError, match=says):
+        resolve_model_path(str(tmp_path / "other.gguf"))
     assert converted_folders() == []
 
 
@@ -283,6 +332,8 @@ def test_the_server_answers_from_a_gguf_file(tmp_path):
     ({"gate": ["Q5_K"], "up": ["Q5_K"], "down": ["Q6_K"]}, "int8"),
     ({"gate": ["Q8_0"], "up": ["Q8_0"], "down": ["Q8_0"]}, "int8"),
     ({"gate": ["IQ2_XXS"], "up": ["IQ2_XXS"], "down": ["Q4_K"]}, "int4"),
+    ({"gate": ["MXFP4"], "up": ["MXFP4"], "down": ["MXFP4"]}, "mxfp4"),
+    ({"gate": ["MXFP4"], "up": ["MXFP4"], "down": ["Q8_0"]}, "int4-mixed"),
     ({"gate": ["F16"], "up": ["F16"], "down": ["F16"]}, None),
     ({"gate": ["BF16"], "up": ["BF16"], "down": ["Q8_0"]}, None),
 ])
