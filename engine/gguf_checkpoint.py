@@ -18,8 +18,10 @@ import re
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,10 +31,13 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV2Config,
+    DeepseekV3Config,
     GenerationConfig,
     GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
+    PreTrainedTokenizerFast,
 )
 from transformers.core_model_loading import Concatenate, WeightConverter, rename_source_key
 from transformers.integrations.gguf import get_gguf_conversion_mapping, is_gguf_arch_supported
@@ -58,7 +63,8 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "minimax-m2")
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "minimax-m2", "deepseek2")
+OWN_CONFIG_ARCHS = ("deepseek2",)  # architectures whose config transformers does not read from a GGUF file
 # files of a model moe-serve serves, in another program's own layout: what to serve instead
 OTHER_LAYOUTS = {"gptoss": "Ollama's own layout of GPT-OSS (`ollama pull gpt-oss`), which moe-serve does not read; "
                            "serve llama.cpp's GGUF of it (`--model ggml-org/gpt-oss-20b-GGUF:MXFP4`, or -120b) or "
@@ -79,11 +85,13 @@ END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "to
 # tokens that end a turn which a family's files do not name; llama.cpp finds them by their text at load
 TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}  # GPT-OSS: a final answer, a tool call (eos: the first)
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
+SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
 # biases where the family has them (GPT-OSS)
 EXPERT_TENSOR = re.compile(
     r"blk\.(?P<layer>\d+)\.ffn_(?P<weight>gate|up|down)(?:_exps|\.(?P<expert>\d+))\.(?P<kind>weight|bias)")
 WEIGHT_ORDER = ("gate", "up", "down")  # gate_up_proj: gate's rows first
+ROUTER_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.exp_probs_b\.bias")  # DeepSeek-V3's e_score_correction_bias
 
 
 def gguf_folder(source: Path) -> Path:
@@ -180,9 +188,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
                 names.check_expert(tensor.name)
                 experts[target][m["weight"]][int(m["expert"] or 0)] = _expert_tensor(
                     source, tensor, file, target, expected, len(weights_of[target]), transposed)
-            else:
-                weights = names.convert(tensor.name, dequantize_parallel(tensor, pool))
-                writer.add(target, weights.contiguous().to(storage_dtype(tensor)), expected)
+            elif (weights := names.convert(tensor.name, dequantize_parallel(tensor, pool))) is not None:
+                writer.add(target, weights.contiguous().to(storage_dtype(tensor)), expected)  # None: half kept
             if (i + 1) % 50 == 0:
                 log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(tensors),
                          writer.bytes_written / 2**30, time.monotonic() - started)
@@ -226,13 +233,17 @@ def _runs(source: Path, target: str, by_first_expert: dict[int, ExpertTensor], e
 
 class LegacyNames:
     """GGUF tensor → our parameter by transformers' older GGUF reader: its name map and tensor processors (which
-    undo, for a llama, llama.cpp's permuted q/k rows)."""
+    undo, for a llama, llama.cpp's permuted q/k rows), and what that map lacks: experts and a router's correction
+    bias by the model's own MoE layers, and DeepSeek's `kv_b_proj` from the two tensors llama.cpp splits it into."""
 
     def __init__(self, arch: str, config: PretrainedConfig, model: torch.nn.Module) -> None:
         processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
         self.processor = (processor_class or TensorProcessor)(config=config.to_dict())
         self.names = get_gguf_hf_weights_map(model, self.processor, model_type=arch)  # merged: no `.weight`
         self.experts = {layer.decoder_layer: layer.path for layer in find_moe_layers(model)}
+        self.router_biases = {int(m[1]): name for name in model.state_dict()
+                              if (m := re.search(r"layers\.(\d+)\..*e_score_correction_bias$", name))}
+        self.kv_b = SplitKVB(config)
 
     def target(self, name: str) -> str | None:
         """Our parameter for a GGUF tensor; a per-expert one (`ffn_gate.3`) maps as its layer's merged tensor, and
@@ -244,13 +255,42 @@ class LegacyNames:
         if found is None and m and int(m["layer"]) in self.experts:
             fused = "down_proj" if m["weight"] == "down" else "gate_up_proj"
             found = f"{self.experts[int(m['layer'])]}.{fused}{'_bias' if m['kind'] == 'bias' else ''}"
+        if found is None and (bias := ROUTER_BIAS.fullmatch(name)):
+            found = self.router_biases.get(int(bias["layer"]))
+        if found is None and (half := SplitKVB.HALF.fullmatch(name)):
+            found = self.names.get(f"blk.{half['layer']}.attn_kv_b.weight")
         return found
 
-    def convert(self, name: str, weights: np.ndarray) -> torch.Tensor:
+    def convert(self, name: str, weights: np.ndarray) -> torch.Tensor | None:
+        if SplitKVB.HALF.fullmatch(name):
+            return self.kv_b.join(name, torch.from_numpy(weights))
         return torch.from_numpy(np.ascontiguousarray(self.processor.process(weights=weights, name=name).weights))
 
     def check_expert(self, name: str) -> None:
         """Experts are read from the file as they lie: this reader changes none."""
+
+
+class SplitKVB:
+    """DeepSeek's `kv_b_proj` `[heads × (nope + v), kv_lora]`, which llama.cpp writes since 2025 as two tensors for
+    MLA's absorbed form: `attn_k_b` `[heads, kv_lora, nope]` (each head's nope rows transposed) and `attn_v_b`
+    `[heads, v, kv_lora]`. The first of a layer's two is kept until the second comes."""
+
+    HALF = re.compile(r"blk\.(?P<layer>\d+)\.attn_(?P<half>k|v)_b\.weight")
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        self.heads = getattr(config, "num_attention_heads", 0)
+        self.pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+
+    def join(self, name: str, weights: torch.Tensor) -> torch.Tensor | None:
+        """`kv_b_proj` once both of its layer's halves came, None before."""
+        m = self.HALF.fullmatch(name)
+        halves = self.pending[m["layer"]]
+        halves[m["half"]] = weights.reshape(self.heads, *weights.shape[-2:])
+        if len(halves) < 2:
+            return None
+        del self.pending[m["layer"]]
+        joined = torch.cat([halves["k"].transpose(1, 2), halves["v"]], dim=1)  # [heads, nope + v, kv_lora]
+        return joined.reshape(-1, joined.shape[-1])
 
 
 class MappedNames:
@@ -311,6 +351,8 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
     if arch == "gpt-oss":  # transformers' GGUF reader fails on its YaRN keys
         return gpt_oss_config(reader)
+    if arch == "deepseek2":  # transformers reads no config of it
+        return deepseek2_config(reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -328,13 +370,20 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
     return config
 
 
+def arch_keys(reader, arch: str) -> Callable[..., Any]:
+    """`key(name, default=None)`: the value of the file's `{arch}.{name}`, or `default` where it has none."""
+
+    def key(name: str, default=None):
+        field = reader.fields.get(f"{arch}.{name}")
+        return default if field is None else field.contents()
+
+    return key
+
+
 def gpt_oss_config(reader) -> GptOssConfig:
     """GPT-OSS's config from the keys llama.cpp writes; what they leave out is GPT-OSS's own (its SwiGLU clamp,
     sliding and full attention alternating from the first layer, YaRN's betas)."""
-
-    def key(name: str, default=None):
-        field = reader.fields.get(f"gpt-oss.{name}")
-        return default if field is None else field.contents()
+    key = arch_keys(reader, "gpt-oss")
 
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
     if key("rope.scaling.type") == "yarn":
@@ -351,6 +400,41 @@ def gpt_oss_config(reader) -> GptOssConfig:
         num_local_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), sliding_window=int(key("attention.sliding_window")),
         max_position_embeddings=int(key("context_length")), rope_parameters=rope)
+
+
+def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
+    """DeepSeek-V2 or -V3 (and the models llama.cpp writes in their layout) from its `deepseek2` keys: a sigmoid
+    router (gating function 2) is V3's, with its correction bias; a softmax one V2's. Files since 2025 describe
+    attention in MLA's absorbed form (one KV head of `kv_lora + rope` dimensions); the model's own head sizes are
+    then the `*_mla` keys."""
+    key = arch_keys(reader, "deepseek2")
+    rope_dim, heads = int(key("rope.dimension_count")), int(key("attention.head_count"))
+    mla = key("attention.key_length_mla") is not None
+    qk_head = int(key("attention.key_length_mla" if mla else "attention.key_length"))
+    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    if key("rope.scaling.type") == "yarn":
+        mscale = round(float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)  # stored: 0.1 × mscale_all_dim
+        rope |= {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                 "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                 "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                 "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+    groups, used_groups = int(key("expert_group_count", 1)), int(key("expert_group_used_count", 1))
+    common = dict(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")), moe_intermediate_size=int(key("expert_feed_forward_length")),
+        num_hidden_layers=int(key("block_count")), num_attention_heads=heads, num_key_value_heads=heads,
+        q_lora_rank=None if key("attention.q_lora_rank") is None else int(key("attention.q_lora_rank")),
+        kv_lora_rank=int(key("attention.kv_lora_rank")), qk_rope_head_dim=rope_dim, head_dim=rope_dim,
+        qk_nope_head_dim=qk_head - rope_dim,
+        v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")),
+        n_routed_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+        n_shared_experts=int(key("expert_shared_count", 0)), first_k_dense_replace=int(key("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0)), norm_topk_prob=bool(key("expert_weights_norm", False)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
+        rope_parameters=rope, n_group=groups, topk_group=used_groups)
+    if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
+        return DeepseekV3Config(**common)
+    return DeepseekV2Config(**common, topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
 def gguf_expert_dtype(folder: Path) -> str | None:
@@ -454,7 +538,10 @@ def _check_complete(source: Path, found: set[str], expected: dict[str, tuple], c
 def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) -> None:
     """Config, tokenizer (with the file's chat template) and generation config, which stops at every id that
     ends a turn as llama.cpp reads the file: end of sequence, of turn, of message."""
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    if reader.fields["general.architecture"].contents() in OWN_CONFIG_ARCHS:  # AutoTokenizer reads the config too
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source.parent, gguf_file=source.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     for attribute in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, attribute, None) is None and getattr(tokenizer, attribute, None) is not None:
             setattr(config, attribute, getattr(tokenizer, attribute))

@@ -83,7 +83,9 @@ def file_experts(path, model: torch.nn.Module, per_expert: bool = False) -> torc
     copy.load_state_dict(model.state_dict())
     copy.eval()
     for i in range(model.config.num_hidden_layers):
-        experts = copy.model.layers[i].mlp.experts
+        experts = getattr(copy.model.layers[i].mlp, "experts", None)
+        if experts is None:  # a dense layer (DeepSeek's first)
+            continue
         gate, up, down = decoded(i, "gate"), decoded(i, "up"), decoded(i, "down")  # [E, I, H] × 2, [E, H, I]
         if experts.is_transposed:  # GPT-OSS: [E, H, 2I], gate and up columns alternating; [E, I, H]
             experts.gate_up_proj.data.copy_(torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2))
@@ -179,6 +181,21 @@ def test_mxfp4_experts_are_kept_as_the_file_holds_them(family, tmp_path):
     assert engine.loaded.host.bytes_per_expert * 5 < as_float.loaded.host.bytes_per_expert
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_a_deepseek_file_in_mlas_absorbed_form_is_served(family, tmp_path, caplog):
+    """llama.cpp writes DeepSeek's attention since 2025 for MLA's absorbed form: `kv_b_proj` split into `attn_k_b`
+    (transposed per head) and `attn_v_b`, one KV head of kv_lora + rope dimensions; joined again here."""
+    model = tiny_gguf_model(family, seed=13)
+    path = write_gguf(model, tmp_path / "mla.gguf", "Q8_0", split_kv_b=True)
+    assert "blk.0.attn_k_b.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
+        engine = load(path, 3, expert_dtype="bf16")
+    assert "not used" not in caplog.text
+    assert engine.loaded.config.model_type == family
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(file_experts(path, model), prompt_ids)
+
+
 def test_a_gpt_oss_files_4_bit_experts_are_stored_on_its_own_grid(tmp_path):
     """int4 of a Q4_0 GPT-OSS file: each group's step taken from the file's block, rows interleaved as the weights'."""
     model = tiny_gguf_model("gpt_oss", seed=12)
@@ -264,7 +281,7 @@ def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
 
 
 @pytest.mark.parametrize("arch, says", [
-    ("deepseek2", "GGUF architecture 'deepseek2' is not one moe-serve converts"),
+    ("glm4moe", "GGUF architecture 'glm4moe' is not one moe-serve converts"),
     ("gptoss", "GGUF architecture 'gptoss' is Ollama's own layout of GPT-OSS.*ggml-org/gpt-oss-20b-GGUF:MXFP4"),
 ])
 def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
