@@ -422,8 +422,8 @@ def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
     common = dict(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("feed_forward_length")), moe_intermediate_size=int(key("expert_feed_forward_length")),
-        num_hidden_layers=int(key("block_count")), num_attention_heads=heads, num_key_value_heads=heads,
-        q_lora_rank=None if key("attention.q_lora_rank") is None else int(key("attention.q_lora_rank")),
+        num_hidden_layers=int(key("block_count")) - int(key("nextn_predict_layers", 0)),  # MTP blocks come last
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=None if key("attention.q_lora_rank") is None else int(key("attention.q_lora_rank")),
         kv_lora_rank=int(key("attention.kv_lora_rank")), qk_rope_head_dim=rope_dim, head_dim=rope_dim,
         qk_nope_head_dim=qk_head - rope_dim,
         v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")),

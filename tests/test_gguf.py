@@ -22,6 +22,7 @@ from engine.checkpoint import checkpoint_digest, resolve_model_path
 from engine.config import EngineConfig
 from engine.demo_model import gguf_location
 from engine.engine import Engine
+from engine.moe_layers import find_moe_layers
 from engine.paths import state_dir
 from server.testing import RemoteServer
 from tests.fixtures.gguf_files import GGUF_ARCH, chat_template_of, quantize_q4_k, tiny_gguf_model, write_gguf
@@ -113,14 +114,16 @@ def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, 
     assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
 
 
-def test_a_qwen3_5_file_with_a_multi_token_prediction_block_is_served_without_it(tmp_path, caplog):
-    model = tiny_gguf_model("qwen3_5_moe_text", seed=9)
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3"])
+def test_a_file_with_a_multi_token_prediction_block_is_served_without_it(family, tmp_path, caplog):
+    """Qwen3.5's files, and GLM-4.7-Flash's in DeepSeek's layout, may end with a multi-token-prediction block."""
+    model = tiny_gguf_model(family, seed=9)
     path = write_gguf(model, tmp_path / "mtp.gguf", "Q8_0", mtp_block=True)
     assert "blk.2.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
         engine = load(path, 3)
-    assert "not used by qwen3_5_moe_text" in caplog.text and engine.loaded.config.num_hidden_layers == 2
-    assert engine.loaded.quant.expert_dtype == "int8" and len(engine.loaded.moe_layers) == 2
+    assert f"not used by {family}" in caplog.text and engine.loaded.config.num_hidden_layers == 2
+    assert engine.loaded.quant.expert_dtype == "int8" and len(engine.loaded.moe_layers) == len(find_moe_layers(model))
     prompt_ids = engine.encode(PROMPT)
     assert len(greedy(engine, prompt_ids)) == NEW_TOKENS
 
