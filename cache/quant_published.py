@@ -77,7 +77,8 @@ def plan_published_layout(
     tensors, offset = [], 0
     for p in params:
         is_quantized = p.quantized and p.name in quantized
-        tensors.append(_published(p, fmt, quantized[p.name], offset) if is_quantized else _raw(p, compute_dtype, offset))
+        tensors.append(_published(p, fmt, quantized[p.name], offset) if is_quantized
+                       else _raw(p, compute_dtype, offset))
         end = tensors[-1].scale_offset + tensors[-1].scale_nbytes if is_quantized else offset + tensors[-1].nbytes
         offset = _aligned(end)
     return QuantLayout(fmt.method, compute_dtype, tuple(tensors), offset)

@@ -167,7 +167,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
 
     names = (MappedNames(arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(arch)
              else LegacyNames(arch, config, model))
-    transposed = bool(getattr(find_moe_layers(model)[0].experts, "is_transposed", False))
+    experts_module = find_moe_layers(model)[0].experts  # how the family holds its experts (GPT-OSS: otherwise)
+    transposed = bool(getattr(experts_module, "is_transposed", False))
     target_of = {t.name: target if (target := names.target(t.name)) in expected else None for t, _ in tensors}
     _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
     weights_of = defaultdict(set)  # expert parameter → the weights making it: gate_up_proj {gate, up}
@@ -200,7 +201,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
               "identity": identity, "expert_types": _expert_types([t for t, _ in tensors if target_of[t.name]]),
-              "in_place": not transposed and getattr(find_moe_layers(model)[0].experts, "is_concatenated", True),
+              "in_place": not transposed and getattr(experts_module, "is_concatenated", True),
               "experts": recorded_experts({target: [_runs(source, target, by_weight[w], expected[target][0])
                                                     for w in WEIGHT_ORDER if w in by_weight]
                                            for target, by_weight in experts.items()})}
@@ -343,7 +344,8 @@ def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
 
 
 def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
-    """The model's config as transformers reads it from the file, with the expert sizes it misses."""
+    """The model's config as transformers reads it from the file, with the expert sizes it misses; read here for
+    the architectures whose config transformers reads wrongly (GPT-OSS's YaRN) or not at all (DeepSeek's)."""
     if arch in OTHER_LAYOUTS:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is {OTHER_LAYOUTS[arch]}")
     if arch not in CONVERTED_ARCHS:
@@ -384,7 +386,6 @@ def gpt_oss_config(reader) -> GptOssConfig:
     """GPT-OSS's config from the keys llama.cpp writes; what they leave out is GPT-OSS's own (its SwiGLU clamp,
     sliding and full attention alternating from the first layer, YaRN's betas)."""
     key = arch_keys(reader, "gpt-oss")
-
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
     if key("rope.scaling.type") == "yarn":
         rope = {**GptOssConfig().rope_parameters, **rope, "rope_type": "yarn",
@@ -398,8 +399,9 @@ def gpt_oss_config(reader) -> GptOssConfig:
         num_hidden_layers=int(key("block_count")), num_attention_heads=int(key("attention.head_count")),
         num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
         num_local_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), sliding_window=int(key("attention.sliding_window")),
-        max_position_embeddings=int(key("context_length")), rope_parameters=rope)
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        sliding_window=int(key("attention.sliding_window")), max_position_embeddings=int(key("context_length")),
+        rope_parameters=rope)
 
 
 def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
@@ -417,21 +419,27 @@ def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
         rope |= {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
                  "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
                  "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
-                 "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+                 "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale,
+                 "mscale_all_dim": mscale}
     groups, used_groups = int(key("expert_group_count", 1)), int(key("expert_group_used_count", 1))
+    q_lora_rank = key("attention.q_lora_rank")  # none: queries projected at once (V2-Lite)
     common = dict(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
-        intermediate_size=int(key("feed_forward_length")), moe_intermediate_size=int(key("expert_feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
         num_hidden_layers=int(key("block_count")) - int(key("nextn_predict_layers", 0)),  # MTP blocks come last
-        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=None if key("attention.q_lora_rank") is None else int(key("attention.q_lora_rank")),
-        kv_lora_rank=int(key("attention.kv_lora_rank")), qk_rope_head_dim=rope_dim, head_dim=rope_dim,
-        qk_nope_head_dim=qk_head - rope_dim,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank), kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope_dim, head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim,
         v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")),
         n_routed_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-        n_shared_experts=int(key("expert_shared_count", 0)), first_k_dense_replace=int(key("leading_dense_block_count", 0)),
-        routed_scaling_factor=float(key("expert_weights_scale", 1.0)), norm_topk_prob=bool(key("expert_weights_norm", False)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
-        rope_parameters=rope, n_group=groups, topk_group=used_groups)
+        n_shared_experts=int(key("expert_shared_count", 0)),
+        first_k_dense_replace=int(key("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(key("expert_weights_norm", False)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")), rope_parameters=rope, n_group=groups,
+        topk_group=used_groups)
     if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
         return DeepseekV3Config(**common)
     return DeepseekV2Config(**common, topk_method="group_limited_greedy" if groups > 1 else "greedy")
