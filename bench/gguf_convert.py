@@ -9,8 +9,9 @@ type (`A/B`: down_proj in B, as llama.cpp's Q4_K_M stores it wider), and starts 
 --model FILE.gguf` does (CPU, `--expert-dtype`): the conversion, then the load, which stores the experts in the
 form asked for. One JSON line per type: the seconds of both steps for both files, the cost of one more layer and
 of the rest (config, tokenizer, embeddings, warm-up), from them the time for all of the model's layers
-(`--model-layers`, 48), and how far one stored expert's gate/up weights are from the file's values (relative
-Frobenius error; 0: the file's values exactly).
+(`--model-layers`, 48), the part of a layer's load that is the engine's warm-up (a short generation, timed again
+after the load; on the CPU it computes every expert it meets), and how far one stored expert's gate/up weights
+are from the file's values (relative Frobenius error; 0: the file's values exactly).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main() -> None:
                          f"{step}_seconds_per_layer": round(per_layer, 1), f"{step}_seconds_fixed": round(fixed, 1),
                          f"{step}_estimate_{args.model_layers}_layers_min":
                              round((fixed + per_layer * args.model_layers) / 60, 1)}
+            line["warm_up_seconds_per_layer"] = round((seconds[args.layers]["warm_up"] - seconds[1]["warm_up"])
+                                                      / (args.layers - 1), 1)
             line["expert_form"] = seconds[1]["form"]
             line["stored_relative_error"] = seconds[1]["error"]
             line["state_folder_gib_per_layer"] = round(seconds[args.layers]["gib"] - seconds[1]["gib"], 2)
@@ -82,6 +85,8 @@ def first_start_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: P
     engine = Engine.load(EngineConfig(model=str(path), device="cpu", expert_cache_experts=8,
                                       expert_dtype=args.expert_dtype))
     loaded = time.monotonic()
+    engine.warm_up()  # once more: the load's own warm-up (a short generation) took about as long
+    warm_up = time.monotonic() - loaded
     error = stored_error(engine)
     state = Path(os.environ["MOE_SERVE_STATE_DIR"])
     gib = sum(f.stat().st_size for f in state.rglob("*") if f.is_file()) / 2**30
@@ -89,7 +94,8 @@ def first_start_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: P
     del engine
     path.unlink()
     shutil.rmtree(state)
-    return {"convert": converted - started, "load": loaded - converted, "form": form, "gib": gib, "error": error}
+    return {"convert": converted - started, "load": loaded - converted, "warm_up": warm_up, "form": form, "gib": gib,
+            "error": error}
 
 
 def stored_error(engine) -> float | None:

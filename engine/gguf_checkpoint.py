@@ -34,6 +34,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     GenerationConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -63,8 +64,8 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "minimax-m2", "deepseek2")
-OWN_CONFIG_ARCHS = ("deepseek2",)  # architectures whose config transformers does not read from a GGUF file
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "minimax-m2", "deepseek2", "glm4moe")
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe")  # architectures whose config transformers does not read from a GGUF file
 # files of a model moe-serve serves, in another program's own layout: what to serve instead
 OTHER_LAYOUTS = {"gptoss": "Ollama's own layout of GPT-OSS (`ollama pull gpt-oss`), which moe-serve does not read; "
                            "serve llama.cpp's GGUF of it (`--model ggml-org/gpt-oss-20b-GGUF:MXFP4`, or -120b) or "
@@ -155,7 +156,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
         raise CheckpointError(f"{source} is a GGUF file of the other byte order (big-endian), which moe-serve does "
                               f"not read")
     tensors = [(tensor, part) for reader, part in zip(readers, parts) for tensor in reader.tensors]
-    config = gguf_config(source, readers[0], arch)
+    config = gguf_config(source, readers[0], arch, {t.name for t, _ in tensors})
     config.tie_word_embeddings = all(t.name != "output.weight" for t, _ in tensors)  # in any part
     matrices = [t for t, _ in tensors if len(t.shape) > 1]
     config.dtype = torch.float32 if all(t.tensor_type.name == "F32" for t in matrices) else torch.bfloat16
@@ -343,7 +344,7 @@ def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
     return out
 
 
-def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
+def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> PretrainedConfig:
     """The model's config as transformers reads it from the file, with the expert sizes it misses; read here for
     the architectures whose config transformers reads wrongly (GPT-OSS's YaRN) or not at all (DeepSeek's)."""
     if arch in OTHER_LAYOUTS:
@@ -353,8 +354,10 @@ def gguf_config(source: Path, reader, arch: str) -> PretrainedConfig:
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
     if arch == "gpt-oss":  # transformers' GGUF reader fails on its YaRN keys
         return gpt_oss_config(reader)
-    if arch == "deepseek2":  # transformers reads no config of it
+    if arch == "deepseek2":  # transformers reads no config of these two
         return deepseek2_config(reader)
+    if arch == "glm4moe":
+        return glm4moe_config(reader, tensor_names)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -421,28 +424,46 @@ def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
                  "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
                  "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale,
                  "mscale_all_dim": mscale}
-    groups, used_groups = int(key("expert_group_count", 1)), int(key("expert_group_used_count", 1))
     q_lora_rank = key("attention.q_lora_rank")  # none: queries projected at once (V2-Lite)
     common = dict(
+        **_deepseek_style_keys(reader, key), num_attention_heads=heads, num_key_value_heads=heads,
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank), kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope_dim, head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim,
+        v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")), rope_parameters=rope)
+    if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
+        return DeepseekV3Config(**common)
+    return DeepseekV2Config(**common, topk_method="group_limited_greedy" if common["n_group"] > 1 else "greedy")
+
+
+def glm4moe_config(reader, tensor_names: set[str]) -> Glm4MoeConfig:
+    """GLM-4.5, 4.6 and 4.7 from llama.cpp's `glm4moe` keys: DeepSeek-V3's router and shared expert with grouped-query
+    attention, rotary on part of each head (NeoX order, as the model's own); q/k/v biases and q/k norms where the
+    file holds them."""
+    key = arch_keys(reader, "glm4moe")
+    head_dim = int(key("attention.key_length"))
+    return Glm4MoeConfig(
+        **_deepseek_style_keys(reader, key), num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")), head_dim=head_dim,
+        attention_bias="blk.0.attn_q.bias" in tensor_names, use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base")),
+                         "partial_rotary_factor": int(key("rope.dimension_count")) / head_dim})
+
+
+def _deepseek_style_keys(reader, key: Callable[..., Any]) -> dict[str, Any]:
+    """The sizes and router settings that llama.cpp writes alike for DeepSeek's MoE and the models built on it
+    (`key`: the file's `arch_keys`), as DeepSeek-style configs name them."""
+    return dict(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("feed_forward_length")),
         moe_intermediate_size=int(key("expert_feed_forward_length")),
         num_hidden_layers=int(key("block_count")) - int(key("nextn_predict_layers", 0)),  # MTP blocks come last
-        num_attention_heads=heads, num_key_value_heads=heads,
-        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank), kv_lora_rank=int(key("attention.kv_lora_rank")),
-        qk_rope_head_dim=rope_dim, head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim,
-        v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")),
         n_routed_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
         n_shared_experts=int(key("expert_shared_count", 0)),
         first_k_dense_replace=int(key("leading_dense_block_count", 0)),
         routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(key("expert_weights_norm", False)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(key("context_length")), rope_parameters=rope, n_group=groups,
-        topk_group=used_groups)
-    if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
-        return DeepseekV3Config(**common)
-    return DeepseekV2Config(**common, topk_method="group_limited_greedy" if groups > 1 else "greedy")
+        n_group=int(key("expert_group_count", 1)), topk_group=int(key("expert_group_used_count", 1)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
 
 
 def gguf_expert_dtype(folder: Path) -> str | None:

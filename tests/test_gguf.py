@@ -114,9 +114,9 @@ def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, 
     assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe"])
 def test_a_file_with_a_multi_token_prediction_block_is_served_without_it(family, tmp_path, caplog):
-    """Qwen3.5's files, and GLM-4.7-Flash's in DeepSeek's layout, may end with a multi-token-prediction block."""
+    """Qwen3.5's and GLM's files (GLM-4.7-Flash's in DeepSeek's layout) may end with a multi-token-prediction block."""
     model = tiny_gguf_model(family, seed=9)
     path = write_gguf(model, tmp_path / "mtp.gguf", "Q8_0", mtp_block=True)
     assert "blk.2.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
@@ -284,7 +284,7 @@ def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
 
 
 @pytest.mark.parametrize("arch, says", [
-    ("glm4moe", "GGUF architecture 'glm4moe' is not one moe-serve converts"),
+    ("dots1", "GGUF architecture 'dots1' is not one moe-serve converts"),
     ("gptoss", "GGUF architecture 'gptoss' is Ollama's own layout of GPT-OSS.*ggml-org/gpt-oss-20b-GGUF:MXFP4"),
 ])
 def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
