@@ -52,7 +52,15 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
-from engine.gguf_experts import MARKER, ExpertTensor, expert_tensor, out_in, read_marker, recorded_experts
+from engine.gguf_experts import (
+    MARKER,
+    ExpertTensor,
+    expert_tensor,
+    held_as,
+    out_in,
+    read_marker,
+    recorded_experts,
+)
 from engine.gguf_sources import split_parts
 from engine.moe_layers import find_moe_layers, interface_families
 from engine.paths import default_gguf_folder
@@ -168,8 +176,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
 
     names = (MappedNames(arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(arch)
              else LegacyNames(arch, config, model))
-    experts_module = find_moe_layers(model)[0].experts  # how the family holds its experts (GPT-OSS: otherwise)
-    transposed = bool(getattr(experts_module, "is_transposed", False))
+    transposed, interleaved = held_as(find_moe_layers(model)[0].experts)  # GPT-OSS: both
     target_of = {t.name: target if (target := names.target(t.name)) in expected else None for t, _ in tensors}
     _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
     weights_of = defaultdict(set)  # expert parameter → the weights making it: gate_up_proj {gate, up}
@@ -202,7 +209,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     _save_companions(source, readers[0], config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
               "identity": identity, "expert_types": _expert_types([t for t, _ in tensors if target_of[t.name]]),
-              "in_place": not transposed and getattr(experts_module, "is_concatenated", True),
+              "in_place": not (transposed or interleaved),
               "experts": recorded_experts({target: [_runs(source, target, by_weight[w], expected[target][0])
                                                     for w in WEIGHT_ORDER if w in by_weight]
                                            for target, by_weight in experts.items()})}

@@ -132,8 +132,7 @@ class GGUFExperts:
     def __init__(self, tensors: dict[tuple[int, str], list[Runs]], layer: MoELayer, num_layers: int) -> None:
         self.tensors = tensors
         self.layout = layer.layout
-        self.transposed = bool(getattr(layer.experts, "is_transposed", False))
-        self.interleaved = not getattr(layer.experts, "is_concatenated", True)
+        self.transposed, self.interleaved = held_as(layer.experts)
         self.keys: list[ExpertKey] = [(i, e) for i in range(num_layers) for e in range(layer.num_experts)]
 
     @property
@@ -215,7 +214,7 @@ def gguf_experts(folder: Path, moe_layers: list[MoELayer]) -> GGUFExperts | None
     for i, layer in enumerate(moe_layers):
         for name, shape in layer.layout.parts:
             weights = [[_from_record(t) for t in runs] for runs in recorded.get(f"{layer.path}.{name}", [])]
-            if not _make(weights, layer.num_experts, out_in(shape, bool(getattr(layer.experts, "is_transposed", 0)))):
+            if not _make(weights, layer.num_experts, out_in(shape, held_as(layer.experts)[0])):
                 raise CheckpointError(f"{folder}: the GGUF experts recorded for {layer.path}.{name} do not make "
                                       f"{layer.num_experts} × {list(shape)}; delete the folder to convert again")
             for t in (t for runs in weights for t in runs):
@@ -226,6 +225,12 @@ def gguf_experts(folder: Path, moe_layers: list[MoELayer]) -> GGUFExperts | None
 
 def _from_record(record: dict) -> ExpertTensor:
     return ExpertTensor(**{**record, "shape": tuple(record["shape"])})
+
+
+def held_as(experts: torch.nn.Module) -> tuple[bool, bool]:
+    """How a family's experts module holds its weights, where the GGUF file holds each `[out, in]`, gate's rows
+    then up's: (transposed: `[in, out]`; interleaved: gate and up rows alternating, GPT-OSS)."""
+    return bool(getattr(experts, "is_transposed", False)), not getattr(experts, "is_concatenated", True)
 
 
 def out_in(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
