@@ -52,7 +52,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "moe-serve/smollm2-moe-demo"
-RECIPE_VERSION = 2  # bump whenever the build below changes what lands on disk (2: sampling defaults)
+RECIPE_VERSION = 3  # bump whenever the build below changes what lands on disk (2: sampling defaults; 3: digits
+# split one by one, as SmolLM2's tokenizer does)
 MARKER_FILE = "moe-serve-demo.json"
 
 NUM_EXPERTS = 8
@@ -191,11 +192,13 @@ def gguf_location() -> tuple[Path, str]:
 
 def load_dense():
     """The dense Llama model (fp32, eval) and its tokenizer, read from the GGUF."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from engine.gguf_tokenizer import load_gguf_tokenizer
 
     folder, name = gguf_location()
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = load_gguf_tokenizer(folder / name)
     return model.eval(), tokenizer
 
 

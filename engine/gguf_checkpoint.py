@@ -30,7 +30,6 @@ from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     DeepseekV2Config,
     DeepseekV3Config,
     GenerationConfig,
@@ -38,7 +37,6 @@ from transformers import (
     GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
-    PreTrainedTokenizerFast,
 )
 from transformers.core_model_loading import Concatenate, WeightConverter, rename_source_key
 from transformers.integrations.gguf import get_gguf_conversion_mapping, is_gguf_arch_supported
@@ -62,6 +60,7 @@ from engine.gguf_experts import (
     recorded_experts,
 )
 from engine.gguf_sources import split_parts
+from engine.gguf_tokenizer import load_gguf_tokenizer
 from engine.moe_layers import find_moe_layers, interface_families
 from engine.paths import default_gguf_folder
 
@@ -574,10 +573,8 @@ def _check_complete(source: Path, found: set[str], expected: dict[str, tuple], c
 def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) -> None:
     """Config, tokenizer (with the file's chat template) and generation config, which stops at every id that
     ends a turn as llama.cpp reads the file: end of sequence, of turn, of message."""
-    if reader.fields["general.architecture"].contents() in OWN_CONFIG_ARCHS:  # AutoTokenizer reads the config too
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(source.parent, gguf_file=source.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    tokenizer = load_gguf_tokenizer(source, reads_config=reader.fields["general.architecture"].contents()
+                                    not in OWN_CONFIG_ARCHS)
     for attribute in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, attribute, None) is None and getattr(tokenizer, attribute, None) is not None:
             setattr(config, attribute, getattr(tokenizer, attribute))
