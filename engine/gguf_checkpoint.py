@@ -158,6 +158,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
         readers = [GGUFReader(part) for part in parts]
         arch = str(readers[0].fields["general.architecture"].contents())
     except (ValueError, KeyError, OSError) as e:
+        if (arch := header_architecture(source)) in OTHER_LAYOUTS:  # its tensor types are its own too
+            raise CheckpointError(f"{source}: GGUF architecture {arch!r} is {OTHER_LAYOUTS[arch]}") from None
         raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     if any(reader.byte_order != "I" for reader in readers):
         raise CheckpointError(f"{source} is a GGUF file of the other byte order (big-endian), which moe-serve does "
@@ -215,6 +217,21 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     (out / DONE_MARKER).write_text(json.dumps(marker))
     log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
              writer.bytes_written / 2**30)
+
+
+def header_architecture(path: Path) -> str | None:
+    """`general.architecture` read from the file's header alone, or None: a file that gguf-py cannot read whole
+    (Ollama's GPT-OSS holds MXFP4 under a type id of its own, 4) can still say what it is."""
+    from gguf import GGUFReader
+
+    class HeaderReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:  # tensor types are checked here: skip
+            self.tensors = []
+
+    try:
+        return str(HeaderReader(path).fields["general.architecture"].contents())
+    except Exception:  # anything gguf-py raises on a file it cannot read
+        return None
 
 
 def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict[str, tuple], parts: int,

@@ -9,6 +9,7 @@ import shutil
 from collections import namedtuple
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -296,6 +297,31 @@ def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, 
     writer.close()
     with pytest.raises(CheckpointError, match=says):
         resolve_model_path(str(tmp_path / "other.gguf"))
+    assert converted_folders() == []
+
+
+def test_ollamas_gpt_oss_file_is_refused_by_name_despite_its_own_tensor_type(tmp_path, own_state_dir):
+    """Ollama writes GPT-OSS's MXFP4 experts under a type id of its own (4), which gguf-py cannot read: the file
+    must still be named for what it is, not called unreadable."""
+    path = tmp_path / "blob.gguf"
+    writer = gguf.GGUFWriter(path, "gptoss")
+    writer.add_block_count(1)
+    blocks = np.zeros((2, 4, 17), dtype=np.uint8)  # [experts, rows, one 17-byte block of 32 weights]
+    writer.add_tensor("blk.0.ffn_down_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    field = gguf.GGUFReader(path).tensors[0].field
+    type_at = field.offset + sum(int(part.nbytes) for part in field.parts[:4])  # name, n_dims, dims, then the type
+    data = bytearray(path.read_bytes())
+    assert data[type_at:type_at + 4] == (39).to_bytes(4, "little")  # MXFP4 as ggml numbers it
+    data[type_at:type_at + 4] = (4).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError):
+        gguf.GGUFReader(path)
+    with pytest.raises(CheckpointError, match="GGUF architecture 'gptoss' is Ollama's own layout of GPT-OSS"):
+        resolve_model_path(str(path))
     assert converted_folders() == []
 
 
