@@ -83,7 +83,11 @@ def test_mxfp4_decoding_covers_every_byte_and_scale():
     """All 256 bytes of values under all 255 finite e8m0 scales (2^-127 .. 2^127; large ones overflow to inf alike)."""
     blocks = torch.arange(256, dtype=torch.uint8).repeat(255, 1).reshape(255, 16, 16)  # 16 rows of 32 per scale
     scales = torch.arange(255, dtype=torch.uint8)[:, None].repeat(1, 16)  # [255, 16]
-    assert torch.equal(dequantize_mxfp4(blocks.reshape(255, -1), scales, torch.float32), mxfp4_reference(blocks, scales))
+    want = mxfp4_reference(blocks, scales)
+    assert torch.equal(dequantize_mxfp4(blocks.reshape(255, -1), scales, torch.float32), want)
+    # bfloat16 decodes in bfloat16 (float32's exponent range: the same numbers, subnormals and inf included)
+    assert torch.equal(dequantize_mxfp4(blocks.reshape(255, -1), scales, torch.bfloat16), want.bfloat16())
+    assert torch.equal(dequantize_mxfp4(blocks.reshape(255, -1), scales, torch.float16), want.half())
 
 
 # -- the engine against transformers on the decoded weights ---------------------------------------------
