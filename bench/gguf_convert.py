@@ -2,6 +2,7 @@
 
     python -m bench.gguf_convert [--family qwen3_moe] [--layers 2] [--experts 128] [--hidden 2048]
                                  [--expert-size 768] [--types Q8_0,Q4_1,Q4_K,Q4_K/Q8_0] [--expert-dtype auto]
+                                 [--ollama]
 
 Writes random GGUF files of `--family` (qwen3_moe, gpt_oss) whose MoE layers have the given shapes (the defaults
 are Qwen3-30B-A3B's: 128 experts of 2048 → 768), one of 1 layer and one of `--layers`, their experts in each GGUF
@@ -11,7 +12,8 @@ form asked for. One JSON line per type: the seconds of both steps for both files
 of the rest (config, tokenizer, embeddings, warm-up), from them the time for all of the model's layers
 (`--model-layers`, 48), the part of a layer's load that is the engine's warm-up (a short generation, timed again
 after the load; on the CPU it computes every expert it meets), and how far one stored expert's gate/up weights
-are from the file's values (relative Frobenius error; 0: the file's values exactly).
+are from the file's values (relative Frobenius error; 0: the file's values exactly). `--ollama` (gpt_oss, MXFP4):
+the files in Ollama's own GPT-OSS layout (`engine.gguf_ollama`) instead of llama.cpp's.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ def main() -> None:
     parser.add_argument("--model-layers", type=int, default=48)
     parser.add_argument("--types", default="Q8_0,Q4_1,Q4_K,Q4_K/Q8_0")
     parser.add_argument("--expert-dtype", default="auto")
+    parser.add_argument("--ollama", action="store_true", help="write the files as Ollama writes GPT-OSS")
     args = parser.parse_args()
+    if args.ollama and (args.family != "gpt_oss" or args.types != "MXFP4"):
+        parser.error("--ollama needs --family gpt_oss --types MXFP4: Ollama writes GPT-OSS alone, in MXFP4")
     if args.layers < 2:
         parser.error("--layers must be at least 2: the cost of a layer is the difference to a 1-layer file")
 
@@ -45,7 +50,7 @@ def main() -> None:
         os.environ["MOE_SERVE_STATE_DIR"] = str(Path(tmp) / "state")
         for kind in args.types.split(","):
             seconds = {layers: first_start_seconds(args, layers, kind, Path(tmp)) for layers in (1, args.layers)}
-            line = {"family": args.family, "type": kind, "experts": args.experts, "hidden": args.hidden,
+            line = {"family": args.family, "layout": "ollama" if args.ollama else "llama.cpp", "type": kind, "experts": args.experts, "hidden": args.hidden,
                     "expert_size": args.expert_size}
             for step in ("convert", "load"):
                 per_layer = (seconds[args.layers][step] - seconds[1][step]) / (args.layers - 1)
@@ -68,7 +73,7 @@ def first_start_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: P
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.gguf_checkpoint import gguf_folder
-    from tests.fixtures.gguf_files import VOCAB, write_gguf
+    from tests.fixtures.gguf_files import VOCAB, write_gguf, write_ollama_gpt_oss
     from tests.fixtures.models import make_config, random_model
 
     config = make_config(args.family, VOCAB, args.experts, 8, layers, torch.float32)
@@ -79,6 +84,9 @@ def first_start_seconds(args: argparse.Namespace, layers: int, kind: str, tmp: P
     name = kind.replace("/", "-")
     path = write_gguf(random_model(config, seed=0), tmp / f"{name}-{layers}.gguf", expert_type,
                       down_type=down_type or None)
+    if args.ollama:
+        llama_cpp, path = path, write_ollama_gpt_oss(path, tmp / f"ollama-{layers}.gguf")
+        llama_cpp.unlink()
     started = time.monotonic()
     gguf_folder(path)
     converted = time.monotonic()

@@ -7,6 +7,7 @@ transformers' GGUF name maps and written as safetensors shards into the per-user
 of the model, stay in the GGUF file and are read from there (`engine.gguf_experts`): stored once in the form
 `--expert-dtype` asks for (`auto` keeps a 4- or 8-bit file's experts that small) and cached like those of any
 checkpoint. A later start finds the folder by the files' paths, sizes and modification times and loads it at once.
+Ollama's own GPT-OSS files are read as llama.cpp's (`engine.gguf_ollama`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
+from engine import gguf_ollama
 from engine.gguf_experts import (
     MARKER,
     ExpertTensor,
@@ -71,12 +73,9 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "minimax-m2", "deepseek2", "glm4moe")
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "gptoss", "minimax-m2", "deepseek2",
+                   "glm4moe")  # gptoss: Ollama's GPT-OSS, read as llama.cpp's gpt-oss (`engine.gguf_ollama`)
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe")  # architectures whose config transformers does not read from a GGUF file
-# files of a model moe-serve serves, in another program's own layout: what to serve instead
-OTHER_LAYOUTS = {"gptoss": "Ollama's own layout of GPT-OSS (`ollama pull gpt-oss`), which moe-serve does not read; "
-                           "serve llama.cpp's GGUF of it (`--model ggml-org/gpt-oss-20b-GGUF:MXFP4`, or -120b) or "
-                           "its Hugging Face checkpoint (`--model openai/gpt-oss-20b`)"}
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -151,20 +150,21 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     marker records where each lies (`engine.gguf_experts`), for the model's fused `gate_up_proj [E, 2I, H]`
     (gate rows first) and `down_proj [E, H, I]`. `identity`: the files' sizes and times, for the marker.
     """
-    from gguf import GGUFReader  # imported only to convert: it takes a quarter of a second
-
     source = parts[0]
     try:
-        readers = [GGUFReader(part) for part in parts]
+        readers = [gguf_ollama.OllamaAwareReader(part) for part in parts]
         arch = str(readers[0].fields["general.architecture"].contents())
     except (ValueError, KeyError, OSError) as e:
-        if (arch := header_architecture(source)) in OTHER_LAYOUTS:  # its tensor types are its own too
-            raise CheckpointError(f"{source}: GGUF architecture {arch!r} is {OTHER_LAYOUTS[arch]}") from None
         raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     if any(reader.byte_order != "I" for reader in readers):
         raise CheckpointError(f"{source} is a GGUF file of the other byte order (big-endian), which moe-serve does "
                               f"not read")
-    tensors = [(tensor, part) for reader, part in zip(readers, parts) for tensor in reader.tensors]
+    tensors, paired = [(tensor, part) for reader, part in zip(readers, parts) for tensor in reader.tensors], set()
+    if arch == gguf_ollama.ARCH:
+        renamed = [(gguf_ollama.as_llama_cpp(reader), part) for reader, part in zip(readers, parts)]
+        tensors = [(tensor, part) for (found, _), part in renamed for tensor in found]
+        paired = set().union(*(names for (_, names), _ in renamed))
+        _check_paired_are_experts(source, paired)
     config = gguf_config(source, readers[0], arch, {t.name for t, _ in tensors})
     config.tie_word_embeddings = all(t.name != "output.weight" for t, _ in tensors)  # in any part
     matrices = [t for t, _ in tensors if len(t.shape) > 1]
@@ -175,8 +175,9 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
-    names = (MappedNames(arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(arch)
-             else LegacyNames(arch, config, model))
+    names_arch = "gpt-oss" if arch == gguf_ollama.ARCH else arch
+    names = (MappedNames(names_arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(names_arch)
+             else LegacyNames(names_arch, config, model))
     transposed, interleaved = held_as(find_moe_layers(model)[0].experts)  # GPT-OSS: both
     target_of = {t.name: target if (target := names.target(t.name)) in expected else None for t, _ in tensors}
     _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
@@ -197,7 +198,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
             elif m := EXPERT_TENSOR.fullmatch(tensor.name):
                 names.check_expert(tensor.name)
                 experts[target][m["weight"]][int(m["expert"] or 0)] = _expert_tensor(
-                    source, tensor, file, target, expected, len(weights_of[target]), transposed)
+                    source, tensor, file, target, expected, len(weights_of[target]), transposed, tensor.name in paired)
             elif (weights := names.convert(tensor.name, dequantize_parallel(tensor, pool))) is not None:
                 writer.add(target, weights.contiguous().to(storage_dtype(tensor)), expected)  # None: half kept
             if (i + 1) % 50 == 0:
@@ -219,27 +220,20 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
              writer.bytes_written / 2**30)
 
 
-def header_architecture(path: Path) -> str | None:
-    """`general.architecture` read from the file's header alone, or None: a file that gguf-py cannot read whole
-    (Ollama's GPT-OSS holds MXFP4 under a type id of its own, 4) can still say what it is."""
-    from gguf import GGUFReader
-
-    class HeaderReader(GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:  # tensor types are checked here: skip
-            self.tensors = []
-
-    try:
-        return str(HeaderReader(path).fields["general.architecture"].contents())
-    except Exception:  # anything gguf-py raises on a file it cannot read
-        return None
+def _check_paired_are_experts(source: Path, paired: set[str]) -> None:
+    """Ollama's MXFP4 tensors are read in place as experts only: a dense one would be decoded in llama.cpp's order."""
+    dense = sorted(name for name in paired if not EXPERT_TENSOR.fullmatch(name))
+    if dense:
+        raise CheckpointError(f"{source}: Ollama's MXFP4 tensors {', '.join(dense[:3])} are not experts, which is "
+                              f"all moe-serve reads in that form")
 
 
 def _expert_tensor(source: Path, tensor, file: Path, target: str, expected: dict[str, tuple], parts: int,
-                   transposed: bool) -> ExpertTensor:
+                   transposed: bool, paired: bool = False) -> ExpertTensor:
     """Where a merged expert tensor lies in `file`, checked against the shape of the model's parameter `target`
     (`[E, ...]`, `transposed`: `[E, in, out]`), of which it is one of `parts` (gate_up: gate, up)."""
     rows, columns = out_in(expected[target][1:], transposed)
-    found = expert_tensor(tensor, file)
+    found = expert_tensor(tensor, file, paired)
     if found.shape[1:] != (rows // parts, columns):
         raise CheckpointError(f"{source}: {tensor.name} has rows of shape {list(found.shape[1:])}, the model expects "
                               f"{[rows // parts, columns]} of {target}")
@@ -370,13 +364,11 @@ def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
 def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> PretrainedConfig:
     """The model's config as transformers reads it from the file, with the expert sizes it misses; read here for
     the architectures whose config transformers reads wrongly (GPT-OSS's YaRN) or not at all (DeepSeek's)."""
-    if arch in OTHER_LAYOUTS:
-        raise CheckpointError(f"{source}: GGUF architecture {arch!r} is {OTHER_LAYOUTS[arch]}")
     if arch not in CONVERTED_ARCHS:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one moe-serve converts (it converts "
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
-    if arch == "gpt-oss":  # transformers' GGUF reader fails on its YaRN keys
-        return gpt_oss_config(reader)
+    if arch in ("gpt-oss", "gptoss"):  # transformers' GGUF reader fails on its YaRN keys
+        return gpt_oss_config(reader, arch)
     if arch == "deepseek2":  # transformers reads no config of these two
         return deepseek2_config(reader)
     if arch == "glm4moe":
@@ -408,12 +400,14 @@ def arch_keys(reader, arch: str) -> Callable[..., Any]:
     return key
 
 
-def gpt_oss_config(reader) -> GptOssConfig:
-    """GPT-OSS's config from the keys llama.cpp writes; what they leave out is GPT-OSS's own (its SwiGLU clamp,
-    sliding and full attention alternating from the first layer, YaRN's betas)."""
-    key = arch_keys(reader, "gpt-oss")
+def gpt_oss_config(reader, arch: str = "gpt-oss") -> GptOssConfig:
+    """GPT-OSS's config from the keys llama.cpp writes (Ollama's, under `gptoss`, alike); what they leave out is
+    GPT-OSS's own (its SwiGLU clamp, sliding and full attention alternating from the first layer, YaRN's betas).
+    Ollama names no scaling type: it runs YaRN whenever the factor is not 1."""
+    key = arch_keys(reader, arch)
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
-    if key("rope.scaling.type") == "yarn":
+    ollama_yarn = arch == "gptoss" and float(key("rope.scaling.factor", 1.0)) != 1.0
+    if key("rope.scaling.type") == "yarn" or ollama_yarn:
         rope = {**GptOssConfig().rope_parameters, **rope, "rope_type": "yarn",
                 "factor": float(key("rope.scaling.factor")),
                 "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
@@ -590,8 +584,16 @@ def _check_complete(source: Path, found: set[str], expected: dict[str, tuple], c
 def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) -> None:
     """Config, tokenizer (with the file's chat template) and generation config, which stops at every id that
     ends a turn as llama.cpp reads the file: end of sequence, of turn, of message."""
-    tokenizer = load_gguf_tokenizer(source, reads_config=reader.fields["general.architecture"].contents()
-                                    not in OWN_CONFIG_ARCHS)
+    arch = reader.fields["general.architecture"].contents()
+    if arch == gguf_ollama.ARCH:  # transformers cannot read the file: its vocabulary alone, in a file of its own
+        vocabulary = gguf_ollama.tokenizer_file(reader, out / "ollama-vocabulary.gguf")
+        tokenizer = load_gguf_tokenizer(vocabulary, reads_config=False)
+        vocabulary.unlink()
+        if not tokenizer.chat_template:  # Ollama may keep it in the model's manifest, as a Go template
+            log.warning("GGUF %s holds no chat template: chat requests need one, `--chat-template FILE` (GPT-OSS's "
+                        "chat_template.jinja from openai/gpt-oss-20b); /v1/completions works without", source)
+    else:
+        tokenizer = load_gguf_tokenizer(source, reads_config=arch not in OWN_CONFIG_ARCHS)
     for attribute in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, attribute, None) is None and getattr(tokenizer, attribute, None) is not None:
             setattr(config, attribute, getattr(tokenizer, attribute))

@@ -23,7 +23,7 @@ import torch
 
 from cache.host_store import Segment, read_segment
 from cache.policy import ExpertKey
-from cache.quant_formats import MXFP4_BLOCK
+from cache.quant_formats import MXFP4_BLOCK, dequantize_mxfp4
 from cache.quant_published import PublishedValue
 from cache.safetensors_index import CheckpointError
 from engine.moe_layers import MoELayer
@@ -38,12 +38,14 @@ Q4_K_SCALES = slice(4, 16)  # a Q4_K block: d, dmin (fp16 each), then 12 bytes o
 class ExpertTensor:
     """A GGUF tensor holding one weight (gate, up or down) of `shape[0]` consecutive experts: `shape` `[experts,
     rows, columns]` of GGML type `type`, its data at byte `offset` of `file`. A merged `ffn_*_exps` tensor holds every
-    expert of its layer; a per-expert one (`ffn_gate.{e}`), one."""
+    expert of its layer; a per-expert one (`ffn_gate.{e}`), one. `paired`: MXFP4 codes in a published checkpoint's
+    order (Ollama's GPT-OSS files, `engine.gguf_ollama`), not llama.cpp's."""
 
     file: str
     offset: int
     type: str
     shape: tuple[int, int, int]
+    paired: bool = False
 
     @property
     def row_bytes(self) -> int:
@@ -60,9 +62,12 @@ class ExpertTensor:
         return read_segment(segment).numpy().reshape(rows, self.row_bytes)
 
     def dequantized(self, expert: int) -> torch.Tensor:
-        """One expert's rows in float32 `[rows, columns]`, as gguf-py decodes them."""
+        """One expert's rows in float32 `[rows, columns]`, as gguf-py decodes them (MXFP4 as `cache.quant_formats`
+        does: the same values, in either code order)."""
         from gguf import GGMLQuantizationType, dequantize
 
+        if self.type == "MXFP4":
+            return dequantize_mxfp4(*self.mxfp4(expert), torch.float32)
         return torch.from_numpy(dequantize(self.raw(expert), GGMLQuantizationType[self.type]))
 
     def mxfp4(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +78,11 @@ class ExpertTensor:
         127)` (GGML's table holds twice e2m1, its scale half the power)."""
         blocks = self.raw(expert).reshape(self.shape[1], -1, 1 + MXFP4_BLOCK // 2)  # [rows, blocks, 17]
         scales, codes = blocks[..., 0], blocks[..., 1:]
-        elements = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [rows, blocks, 32] in order
-        packed = elements[..., 0::2] | (elements[..., 1::2] << 4)
+        if self.paired:
+            packed = codes
+        else:
+            elements = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [rows, blocks, 32] in order
+            packed = elements[..., 0::2] | (elements[..., 1::2] << 4)
         return (torch.from_numpy(np.ascontiguousarray(packed).reshape(self.shape[1], -1)),
                 torch.from_numpy(np.ascontiguousarray(scales)))
 
@@ -84,13 +92,15 @@ class ExpertTensor:
         return Segment(Path(self.file), self.offset + expert * numel * dtype.itemsize, numel, dtype)
 
 
-def expert_tensor(tensor, file: Path) -> ExpertTensor:
+def expert_tensor(tensor, file: Path, paired: bool = False) -> ExpertTensor:
     """The place of a gguf-py `ReaderTensor` read from `file` (GGUF lists shapes columns first; a per-expert
-    tensor has no expert axis; a bias, `[experts, rows]`, is held as one column of rows)."""
+    tensor has no expert axis; a bias, `[experts, rows]`, is held as one column of rows); `paired`: MXFP4 codes in
+    a published checkpoint's order."""
     shape = tuple(int(n) for n in reversed(tensor.shape))
     if tensor.name.endswith(".bias"):
         shape = (*shape, 1)
-    return ExpertTensor(str(file), int(tensor.data_offset), tensor.tensor_type.name, shape if len(shape) == 3 else (1, *shape))
+    return ExpertTensor(str(file), int(tensor.data_offset), tensor.tensor_type.name,
+                        shape if len(shape) == 3 else (1, *shape), paired)
 
 
 Runs = list[ExpertTensor]  # tensors of one weight, consecutive along the expert axis: together every expert

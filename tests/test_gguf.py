@@ -9,7 +9,6 @@ import shutil
 from collections import namedtuple
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -26,7 +25,14 @@ from engine.engine import Engine
 from engine.moe_layers import find_moe_layers
 from engine.paths import state_dir
 from server.testing import RemoteServer
-from tests.fixtures.gguf_files import GGUF_ARCH, chat_template_of, quantize_q4_k, tiny_gguf_model, write_gguf
+from tests.fixtures.gguf_files import (
+    GGUF_ARCH,
+    chat_template_of,
+    quantize_q4_k,
+    tiny_gguf_model,
+    write_gguf,
+    write_ollama_gpt_oss,
+)
 
 NEW_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
@@ -286,7 +292,6 @@ def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
 
 @pytest.mark.parametrize("arch, says", [
     ("dots1", "GGUF architecture 'dots1' is not one moe-serve converts"),
-    ("gptoss", "GGUF architecture 'gptoss' is Ollama's own layout of GPT-OSS.*ggml-org/gpt-oss-20b-GGUF:MXFP4"),
 ])
 def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
     writer = gguf.GGUFWriter(tmp_path / "other.gguf", arch)
@@ -300,29 +305,31 @@ def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, 
     assert converted_folders() == []
 
 
-def test_ollamas_gpt_oss_file_is_refused_by_name_despite_its_own_tensor_type(tmp_path, own_state_dir):
-    """Ollama writes GPT-OSS's MXFP4 experts under a type id of its own (4), which gguf-py cannot read: the file
-    must still be named for what it is, not called unreadable."""
-    path = tmp_path / "blob.gguf"
-    writer = gguf.GGUFWriter(path, "gptoss")
-    writer.add_block_count(1)
-    blocks = np.zeros((2, 4, 17), dtype=np.uint8)  # [experts, rows, one 17-byte block of 32 weights]
-    writer.add_tensor("blk.0.ffn_down_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    field = gguf.GGUFReader(path).tensors[0].field
-    type_at = field.offset + sum(int(part.nbytes) for part in field.parts[:4])  # name, n_dims, dims, then the type
-    data = bytearray(path.read_bytes())
-    assert data[type_at:type_at + 4] == (39).to_bytes(4, "little")  # MXFP4 as ggml numbers it
-    data[type_at:type_at + 4] = (4).to_bytes(4, "little")
-    path.write_bytes(bytes(data))
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_ollamas_own_gpt_oss_file_is_served_as_llama_cpps(fused_qkv, tmp_path):
+    """What `ollama pull gpt-oss` fetches (`gptoss`: MXFP4 under a type id of Ollama's own, 4, in another code order;
+    gate and up fused; from OpenAI's checkpoint q, k and v fused too; other names and keys) serves the same tokens
+    as the model in llama.cpp's file, its experts kept in MXFP4 with the same values, its text split by GPT-4o's
+    rule, which the file does not name."""
+    model = tiny_gguf_model("gpt_oss", seed=11)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf", "MXFP4")
+    path = write_ollama_gpt_oss(llama_cpp, tmp_path / "ollama.gguf", fused_qkv)
+    with pytest.raises(ValueError, match=r"\b4\)? is not a valid GGMLQuantizationType"):
         gguf.GGUFReader(path)
-    with pytest.raises(CheckpointError, match="GGUF architecture 'gptoss' is Ollama's own layout of GPT-OSS"):
-        resolve_model_path(str(path))
-    assert converted_folders() == []
+    as_file = file_experts(llama_cpp, model)
+    engine = load(path, 3)
+    assert engine.loaded.quant.expert_dtype == "mxfp4"
+    prompt_ids = engine.encode(PROMPT)
+    assert prompt_ids == load(llama_cpp, 3).encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+    assert engine.loaded.config.rope_parameters == model.config.rope_parameters  # YaRN, though the file names none
+    with engine.loaded.host.hold((1, 5)) as buffer:
+        gate_up = unpack_expert(engine.loaded.quant, buffer)["gate_up_proj"].dequantize(torch.float32)  # [2I, H]
+    assert torch.equal(gate_up, as_file.model.layers[1].mlp.experts.gate_up_proj[5].detach().t())
+    pieces = engine.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("HelloWorld 12345")
+    assert [piece for piece, _ in pieces] == ["Hello", "World", "Ġ", "123", "45"]
+    as_float = load(path, 3, expert_dtype="bf16")  # the experts decoded from Ollama's code order
+    assert greedy(as_float, prompt_ids) == transformers_greedy(as_file, prompt_ids)
 
 
 def test_a_file_missing_a_tensor_is_refused_before_anything_is_written(tmp_path, own_state_dir, monkeypatch):
