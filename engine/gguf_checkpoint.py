@@ -159,12 +159,9 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     if any(reader.byte_order != "I" for reader in readers):
         raise CheckpointError(f"{source} is a GGUF file of the other byte order (big-endian), which moe-serve does "
                               f"not read")
-    tensors, paired = [(tensor, part) for reader, part in zip(readers, parts) for tensor in reader.tensors], set()
-    if arch == gguf_ollama.ARCH:
-        renamed = [(gguf_ollama.as_llama_cpp(reader), part) for reader, part in zip(readers, parts)]
-        tensors = [(tensor, part) for (found, _), part in renamed for tensor in found]
-        paired = set().union(*(names for (_, names), _ in renamed))
-        _check_paired_are_experts(source, paired)
+    tensors = [(tensor, part) for reader, part in zip(readers, parts) for tensor in reader.tensors]
+    paired = set().union(*(reader.paired_mxfp4 for reader in readers))  # Ollama's MXFP4
+    _check_paired_are_experts(source, paired)
     config = gguf_config(source, readers[0], arch, {t.name for t, _ in tensors})
     config.tie_word_embeddings = all(t.name != "output.weight" for t, _ in tensors)  # in any part
     matrices = [t for t, _ in tensors if len(t.shape) > 1]

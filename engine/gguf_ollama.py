@@ -32,19 +32,26 @@ LAYER_TENSOR = re.compile(r"(?P<layer>blk\.\d+\.)(?P<base>[a-z_]+)(?P<suffix>\.w
 
 
 class OllamaAwareReader(GGUFReader):
-    """gguf-py's reader, which also reads an Ollama GPT-OSS file: its MXFP4 tensors (type id 4) come out as llama.cpp's
-    MXFP4 (the same bytes per weight), their names listed in `paired_mxfp4` (the codes in the checkpoint's order)."""
+    """gguf-py's reader, which also reads an Ollama GPT-OSS file, as llama.cpp's: its `tensors` under llama.cpp's
+    names (`as_llama_cpp`), its MXFP4 ones (type id 4) as MXFP4 (the same bytes per weight), their names listed in
+    `paired_mxfp4` (the codes in the checkpoint's order). Any other file reads as gguf-py reads it."""
 
     def __init__(self, path: Path) -> None:
-        self.paired_mxfp4: set[str] = set()
+        self._type_4: set[str] = set()  # filled while the tensor infos are read
         super().__init__(path)
+        self.paired_mxfp4: set[str] = set()
+        if self._is_ollamas():
+            self.tensors, self.paired_mxfp4 = as_llama_cpp(self)
+
+    def _is_ollamas(self) -> bool:
+        arch = self.fields.get("general.architecture")  # a split file's later parts name none
+        return arch is not None and arch.contents() == ARCH
 
     def _get_tensor_info_field(self, orig_offs: int):
         field = super()._get_tensor_info_field(orig_offs)
-        arch = self.fields.get("general.architecture")
-        if arch is not None and arch.contents() == ARCH and field.parts[4][0] == OLLAMA_MXFP4:
+        if self._is_ollamas() and field.parts[4][0] == OLLAMA_MXFP4:
             field.parts[4] = np.array([GGMLQuantizationType.MXFP4], dtype=np.uint32)
-            self.paired_mxfp4.add(bytes(field.parts[1]).decode())
+            self._type_4.add(bytes(field.parts[1]).decode())
         return field
 
 
@@ -64,7 +71,7 @@ def as_llama_cpp(reader: OllamaAwareReader) -> tuple[list[ReaderTensor], set[str
         renamed = tensor  # a layer's tensor without a suffix (`attn_sinks`) is llama.cpp's `.weight`
         if m:
             renamed = tensor._replace(name=f"{m['layer']}{RENAMED.get(m['base'], m['base'])}{m['suffix'] or '.weight'}")
-        if tensor.name in reader.paired_mxfp4:
+        if tensor.name in reader._type_4:
             paired.add(renamed.name)
         tensors.append(renamed)
     return tensors, paired
