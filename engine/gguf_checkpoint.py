@@ -33,6 +33,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Gemma4TextConfig,
     GenerationConfig,
     Glm4MoeConfig,
     GptOssConfig,
@@ -73,8 +74,8 @@ SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", "gptoss", "minimax-m2", "deepseek2",
-                   "glm4moe")  # gptoss: Ollama's GPT-OSS, read as llama.cpp's gpt-oss (`engine.gguf_ollama`)
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2", "deepseek2",
+                   "glm4moe", "gemma4")  # gptoss: Ollama's GPT-OSS, read as llama.cpp's gpt-oss (`engine.gguf_ollama`)
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe")  # architectures whose config transformers does not read from a GGUF file
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -90,14 +91,17 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
              **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8)}
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # tokens that end a turn which a family's files do not name; llama.cpp finds them by their text at load
-TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}  # GPT-OSS: a final answer, a tool call (eos: the first)
+TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"),  # GPT-OSS: a final answer, a tool call (eos: the first)
+                   "gemma4_text": ("<turn|>", "<|tool_response>")}  # Gemma 4: a turn's end, a tool call awaiting its result
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
-# biases where the family has them (GPT-OSS)
+# biases where the family has them (GPT-OSS); gate and up fused as the model holds them (Gemma 4's `ffn_gate_up_exps`)
 EXPERT_TENSOR = re.compile(
-    r"blk\.(?P<layer>\d+)\.ffn_(?P<weight>gate|up|down)(?:_exps|\.(?P<expert>\d+))\.(?P<kind>weight|bias)")
-WEIGHT_ORDER = ("gate", "up", "down")  # gate_up_proj: gate's rows first
+    r"blk\.(?P<layer>\d+)\.ffn_(?P<weight>gate_up|gate|up|down)(?:_exps|\.(?P<expert>\d+))\.(?P<kind>weight|bias)")
+WEIGHT_ORDER = ("gate_up", "gate", "up", "down")  # gate_up_proj: gate's rows first
+# Gemma 4's router scales, which llama.cpp names after the tensors they scale: the router's input, each expert's output
+ROUTER_SCALE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<scaled>ffn_gate_inp|ffn_down_exps)\.scale")
 ROUTER_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.exp_probs_b\.bias")  # DeepSeek-V3's e_score_correction_bias
 
 
@@ -175,7 +179,11 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     names_arch = "gpt-oss" if arch == gguf_ollama.ARCH else arch
     names = (MappedNames(names_arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(names_arch)
              else LegacyNames(names_arch, config, model))
-    transposed, interleaved = held_as(find_moe_layers(model)[0].experts)  # GPT-OSS: both
+    moe_layers = find_moe_layers(model)
+    if not moe_layers:  # a family with dense and MoE variants (Gemma 4's E4B, 31B)
+        raise CheckpointError(f"{source}: a dense {config.model_type!r} model ({arch!r} in GGUF), with no experts: "
+                              f"moe-serve serves Mixture-of-Experts models")
+    transposed, interleaved = held_as(moe_layers[0].experts)  # GPT-OSS: both
     target_of = {t.name: target if (target := names.target(t.name)) in expected else None for t, _ in tensors}
     _check_complete(source, set(filter(None, target_of.values())), expected, config)  # before any work, not after
     weights_of = defaultdict(set)  # expert parameter → the weights making it: gate_up_proj {gate, up}
@@ -275,6 +283,9 @@ class LegacyNames:
             found = self.router_biases.get(int(bias["layer"]))
         if found is None and (half := SplitKVB.HALF.fullmatch(name)):
             found = self.names.get(f"blk.{half['layer']}.attn_kv_b.weight")
+        if found is None and (scale := ROUTER_SCALE.fullmatch(name)):  # beside the router's `proj.weight`
+            router = self.names.get(f"blk.{scale['layer']}.ffn_gate_inp.weight", "").removesuffix("proj.weight")
+            found = router and router + ("scale" if scale["scaled"] == "ffn_gate_inp" else "per_expert_scale")
         return found
 
     def convert(self, name: str, weights: np.ndarray) -> torch.Tensor | None:
@@ -364,12 +375,14 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
     if arch not in CONVERTED_ARCHS:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one moe-serve converts (it converts "
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
-    if arch in ("gpt-oss", "gptoss"):  # transformers' GGUF reader fails on its YaRN keys
+    if arch in ("gpt-oss", gguf_ollama.ARCH):  # transformers' GGUF reader fails on its YaRN keys
         return gpt_oss_config(reader, arch)
     if arch == "deepseek2":  # transformers reads no config of these two
         return deepseek2_config(reader)
     if arch == "glm4moe":
         return glm4moe_config(reader, tensor_names)
+    if arch == "gemma4":  # transformers reads neither its experts nor its rotary settings
+        return gemma4_config(reader, tensor_names)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -403,7 +416,7 @@ def gpt_oss_config(reader, arch: str = "gpt-oss") -> GptOssConfig:
     Ollama names no scaling type: it runs YaRN whenever the factor is not 1."""
     key = arch_keys(reader, arch)
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
-    ollama_yarn = arch == "gptoss" and float(key("rope.scaling.factor", 1.0)) != 1.0
+    ollama_yarn = arch == gguf_ollama.ARCH and float(key("rope.scaling.factor", 1.0)) != 1.0
     if key("rope.scaling.type") == "yarn" or ollama_yarn:
         rope = {**GptOssConfig().rope_parameters, **rope, "rope_type": "yarn",
                 "factor": float(key("rope.scaling.factor")),
@@ -463,6 +476,41 @@ def glm4moe_config(reader, tensor_names: set[str]) -> Glm4MoeConfig:
                          "partial_rotary_factor": int(key("rope.dimension_count")) / head_dim})
 
 
+def gemma4_config(reader, tensor_names: set[str]) -> Gemma4TextConfig:
+    """Gemma 4's text model (the MoE ones, e.g. 26B-A4B) from llama.cpp's `gemma4` keys: sliding and full attention
+    layers, each kind with its own head size, KV heads and rotary base; full layers whose keys are their values
+    where the file has no `attn_v` for them, and rotary on the part of their heads that `rope_freqs` leaves at 1
+    (llama.cpp marks the rest with a huge factor)."""
+    key = arch_keys(reader, "gemma4")
+    layers = int(key("block_count"))
+    sliding = [bool(x) for x in key("attention.sliding_window_pattern")]
+    kv_heads = key("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    full = [i for i in range(layers) if not sliding[i]]
+    shared_kv = int(key("attention.shared_kv_layers", 0))
+    head_dim, full_head_dim = int(key("attention.key_length_swa")), int(key("attention.key_length"))
+    factors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), np.ones(full_head_dim // 2))
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa"))},
+            "full_attention": {"rope_type": "proportional", "rope_theta": float(key("rope.freq_base")),
+                               "partial_rotary_factor": 2 * int((factors < 1e3).sum()) / full_head_dim}}
+    if (swa_rotary := int(key("rope.dimension_count_swa", head_dim))) != head_dim:
+        rope["sliding_attention"]["partial_rotary_factor"] = swa_rotary / head_dim
+    return Gemma4TextConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=layers,
+        num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(kv_heads[sliding.index(True)] if any(sliding) else kv_heads[0]),
+        num_global_key_value_heads=int(kv_heads[full[0]]) if full else None, head_dim=head_dim,
+        global_head_dim=full_head_dim, layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        attention_k_eq_v=any(f"blk.{i}.attn_v.weight" not in tensor_names for i in full if i < layers - shared_kv),
+        sliding_window=int(key("attention.sliding_window")), num_kv_shared_layers=shared_kv,
+        hidden_size_per_layer_input=int(key("embedding_length_per_layer_input", 0)),
+        final_logit_softcapping=key("final_logit_softcapping"), rope_parameters=rope,
+        enable_moe_block=int(key("expert_count", 0)) > 0, num_experts=key("expert_count"),
+        top_k_experts=key("expert_used_count"), moe_intermediate_size=key("expert_feed_forward_length"),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+
+
 def _deepseek_style_keys(reader, key: Callable[..., Any]) -> dict[str, Any]:
     """The sizes and router settings that llama.cpp writes alike for DeepSeek's MoE and the models built on it
     (`key`: the file's `arch_keys`), as DeepSeek-style configs name them."""
@@ -491,7 +539,7 @@ def gguf_expert_dtype(folder: Path) -> str | None:
     if types and all(names == ["MXFP4"] for names in types.values()):
         return "mxfp4"
     bits = {weight: max((GGUF_BITS.get(name, 16) for name in names), default=16) for weight, names in types.items()}
-    gate_up = max(bits.get("gate", 16), bits.get("up", 16))
+    gate_up = max((bits[weight] for weight in ("gate", "up", "gate_up") if weight in bits), default=16)
     if gate_up > 8 or not types:
         return None
     if gate_up > 4:
@@ -500,7 +548,7 @@ def gguf_expert_dtype(folder: Path) -> str | None:
 
 
 def _expert_types(tensors) -> dict[str, list[str]]:
-    """The GGUF types of the expert tensors, by weight (`gate`, `up`, `down`)."""
+    """The GGUF types of the expert tensors, by weight (`gate`, `up`, `down`; `gate_up` fused)."""
     types: dict[str, set[str]] = {}
     for tensor in tensors:
         if (m := EXPERT_TENSOR.fullmatch(tensor.name)) and m["kind"] == "weight":
@@ -591,6 +639,10 @@ def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) 
                         "chat_template.jinja from openai/gpt-oss-20b); /v1/completions works without", source)
     else:
         tokenizer = load_gguf_tokenizer(source, reads_config=arch not in OWN_CONFIG_ARCHS)
+    if arch == "gemma4" and reader.fields["tokenizer.ggml.model"].contents() != "gemma4":  # Ollama's: `llama`
+        log.warning("GGUF %s: its Gemma 4 vocabulary is of type %r (llama.cpp writes `gemma4`, Ollama `llama`) and is "
+                    "read as transformers reads that type, not checked against Gemma 4's own tokenizer", source,
+                    reader.fields["tokenizer.ggml.model"].contents())
     for attribute in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, attribute, None) is None and getattr(tokenizer, attribute, None) is not None:
             setattr(config, attribute, getattr(tokenizer, attribute))

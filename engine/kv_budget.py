@@ -48,18 +48,23 @@ class ContextNeed:
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    """Bytes one token adds to transformers' cache, over all layers. Multi-head latent attention
-    (DeepSeek-V2/V3) caches the compressed latent and the shared rotary key. Layers with a sliding
+    """Bytes one token adds to transformers' cache, over all layers, each with its own sizes where the config
+    gives layers their own (Gemma 4's full attention layers: other head sizes and KV heads). Multi-head latent
+    attention (DeepSeek-V2/V3) caches the compressed latent and the shared rotary key. Layers with a sliding
     window or linear attention are counted as full ones: an upper bound."""
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    if getattr(text, "kv_lora_rank", None) and getattr(text, "qk_rope_head_dim", None):  # MLA
-        per_layer = text.kv_lora_rank + text.qk_rope_head_dim
-    else:
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        per_layer = 2 * kv_heads * head_dim
-    return text.num_hidden_layers * per_layer * dtype.itemsize
+    layers = getattr(text, "per_layer_config", None) or [text] * text.num_hidden_layers
+    return sum(_kv_values_per_token(layer) for layer in layers) * dtype.itemsize
+
+
+def _kv_values_per_token(layer: PretrainedConfig) -> int:
+    """Values one token adds to the cache of a layer of config `layer`."""
+    if getattr(layer, "kv_lora_rank", None) and getattr(layer, "qk_rope_head_dim", None):  # MLA
+        return layer.kv_lora_rank + layer.qk_rope_head_dim
+    heads = layer.num_attention_heads
+    kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+    head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+    return 2 * kv_heads * head_dim
 
 
 def warn_if_context_may_not_fit(config: PretrainedConfig, dtype: torch.dtype, max_model_len: int,

@@ -108,8 +108,8 @@ def load_offloaded_model(
     cache is set aside before the expert cache takes the free memory."""
     fmt = published_format(read_config_dict(folder), folder / "config.json")  # refuses what cannot be served
     config = AutoConfig.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
+    with init_empty_weights(include_buffers=False):  # buffers built at init (Gemma's embedding scale) in `dtype`
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
 
     moe_layers = find_moe_layers(model)
@@ -405,6 +405,11 @@ def _dense_bytes(model: nn.Module, moe_layers: list[MoELayer], dtype: torch.dtyp
     return params + sum(t.numel() * t.element_size() for t in model.buffers() if id(t) not in experts)
 
 
+def _dense_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a float dense weight is held in: `dtype`, or float32 where the model keeps it so."""
+    return torch.float32 if _keeps_fp32(model, name) else dtype
+
+
 def _keeps_fp32(model: nn.Module, name: str) -> bool:
     patterns = getattr(model, "_keep_in_fp32_modules_strict", None) or []
     return any(re.search(rf"(^|\.){re.escape(p)}($|\.)", name) for p in patterns)
@@ -426,14 +431,14 @@ def _load_dense(
             missing.append(name)
             continue
         _check_shape(name, loc, tuple(param.shape))
-        target = torch.float32 if _keeps_fp32(model, name) else dtype
-        value = _read_dense(loc, fmt).to(device=device, dtype=target)
+        value = _read_dense(loc, fmt).to(device=device, dtype=_dense_dtype(model, name, dtype))
         _set_tensor(model, name, nn.Parameter(value, requires_grad=False))
     for name, buffer in list(model.named_buffers()):
         loc = dense.pop(name, None)
-        if loc is not None:
+        if loc is not None:  # a float one computes in `dtype` too (Gemma 4's layer_scalar), not in the config's
             _check_shape(name, loc, tuple(buffer.shape))
-            _set_tensor(model, name, _read_dense(loc, fmt).to(device=device, dtype=buffer.dtype))
+            target = _dense_dtype(model, name, dtype) if buffer.is_floating_point() else buffer.dtype
+            _set_tensor(model, name, _read_dense(loc, fmt).to(device=device, dtype=target))
     if getattr(model.config, "tie_word_embeddings", False):
         missing = [name for name in missing if name != "lm_head.weight"]
         if model.lm_head.weight.is_meta:

@@ -80,7 +80,7 @@ def top_k_of(model: nn.Module, layers: list[MoELayer]) -> int:
         if isinstance(k, int):
             return k
     config = getattr(model.config, "get_text_config", lambda: model.config)()
-    for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"):
+    for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "top_k_experts"):
         k = getattr(config, key, None)
         if isinstance(k, int):
             return k

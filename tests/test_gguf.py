@@ -11,7 +11,7 @@ from collections import namedtuple
 import gguf
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import engine.gguf_checkpoint as gguf_checkpoint
 import engine.gguf_sources as gguf_sources
@@ -27,12 +27,14 @@ from engine.paths import state_dir
 from server.testing import RemoteServer
 from tests.fixtures.gguf_files import (
     GGUF_ARCH,
+    VOCAB,
     chat_template_of,
     quantize_q4_k,
     tiny_gguf_model,
     write_gguf,
     write_ollama_gpt_oss,
 )
+from tests.fixtures.models import make_config, random_model
 
 NEW_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
@@ -119,6 +121,31 @@ def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, 
     assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == "float32"
     prompt_ids = engine.encode(PROMPT)
     assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+
+
+def test_a_gemma4_files_fused_quantized_experts_are_served_as_the_file_holds_them(tmp_path):
+    """Gemma 4's gate and up come fused (`ffn_gate_up_exps`); a 4-bit file is served in 4 bits (`auto`); the
+    dense weights, float32 in the file, are computed in float32 though the file's matrices are not all float32."""
+    model = tiny_gguf_model("gemma4_text")
+    path = write_gguf(model, tmp_path / "gemma4-q4.gguf", "Q4_1")
+    assert gguf_checkpoint.gguf_expert_dtype(resolve_model_path(str(path))) == "int4"
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    as_file = type(model)(model.config)
+    as_file.load_state_dict(model.state_dict())
+    for i, layer in enumerate(as_file.eval().model.layers):
+        for weight, param in (("gate_up", layer.experts.gate_up_proj), ("down", layer.experts.down_proj)):
+            found = stored[f"blk.{i}.ffn_{weight}_exps.weight"]
+            param.data.copy_(torch.from_numpy(gguf.dequantize(found.data, found.tensor_type)).view(param.shape))
+    engine = load(path, 3, expert_dtype="bf16")  # the file's values, decoded once into float32
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+    # buffers as transformers holds them in float32, though the config says bfloat16 (the file's quantized experts)
+    reference = dict(AutoModelForCausalLM.from_pretrained(resolve_model_path(str(path)), dtype=torch.float32)
+                     .named_buffers())
+    served = {name: value for name, value in engine.loaded.model.named_buffers() if name in reference}
+    assert {"model.embed_tokens.embed_scale", "model.layers.0.layer_scalar"} <= set(served)
+    for name, value in served.items():
+        assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), name
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe"])
@@ -246,13 +273,29 @@ def test_generation_stops_at_each_id_the_file_says_ends_a_turn(tmp_path):
     assert {direct.eos_token_id, end_of_turn} <= load(path, 16).eos_ids
 
 
-def test_a_gpt_oss_turn_ends_at_a_final_answer_and_at_a_tool_call(tmp_path):
-    """GPT-OSS's files name only `<|return|>` as their end; a tool call ends with `<|call|>` (llama.cpp and the
-    model's own generation config stop there too)."""
-    path = write_gguf(tiny_gguf_model("gpt_oss"), tmp_path / "harmony.gguf")
+@pytest.mark.parametrize("family, turn_ends", [("gpt_oss", ["<|return|>", "<|call|>"]),
+                                               ("gemma4_text", ["<turn|>", "<|tool_response>"])])
+def test_a_turn_ends_where_the_model_ends_it_though_the_file_does_not_say(family, turn_ends, tmp_path):
+    """GPT-OSS's files name only `<|return|>` as their end, a tool call ends with `<|call|>`; Gemma 4's name
+    `<eos>`, a turn ends with `<turn|>` and a tool call waits for its result at `<|tool_response>` (the models' own
+    generation configs stop there; llama.cpp finds such tokens by their text)."""
+    path = write_gguf(tiny_gguf_model(family), tmp_path / "turns.gguf")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
     ends = json.loads((resolve_model_path(str(path)) / "generation_config.json").read_text())["eos_token_id"]
-    assert ends == [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])]
+    assert ends == [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(turn_ends)]
+
+
+def test_a_gemma4_file_keeps_each_kind_of_layer_its_own_attention(tmp_path):
+    """Gemma 4's sliding and full attention layers differ in head size, KV heads, rotary base and rotated part, and
+    its full layers' keys are their values; its logits are soft-capped (which greedy tokens cannot show)."""
+    model = tiny_gguf_model("gemma4_text")
+    original = model.config
+    converted = AutoConfig.from_pretrained(resolve_model_path(str(write_gguf(model, tmp_path / "gemma4.gguf"))))
+    for attribute in ("layer_types", "rope_parameters", "attention_k_eq_v", "sliding_window", "final_logit_softcapping",
+                      "num_experts", "top_k_experts", "moe_intermediate_size", "intermediate_size"):
+        assert getattr(converted, attribute) == getattr(original, attribute), attribute
+    assert [(layer.head_dim, layer.num_key_value_heads) for layer in converted.per_layer_config] == [
+        (layer.head_dim, layer.num_key_value_heads) for layer in original.per_layer_config] == [(8, 4), (16, 2)]
 
 
 def test_a_file_is_converted_once_and_again_when_it_changes(tmp_path, own_state_dir, monkeypatch):
@@ -288,6 +331,16 @@ def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
     with pytest.raises(CheckpointError, match=r"'llama'.*not a Mixture-of-Experts family moe-serve serves"):
         resolve_model_path(str(folder / name))
     assert converted_folders() == []  # nothing half-written is left
+
+
+def test_a_dense_gemma4_file_is_refused_as_dense(tmp_path, own_state_dir):
+    """Gemma 4 comes dense too (E4B, 31B), under the same GGUF architecture as its MoE models."""
+    config = make_config("gemma4_text", VOCAB, num_experts=None, top_k=None, num_layers=2, dtype=torch.float32,
+                         enable_moe_block=False, moe_intermediate_size=None)
+    path = write_gguf(random_model(config, 0), tmp_path / "dense.gguf")
+    with pytest.raises(CheckpointError, match=r"a dense 'gemma4_text' model \('gemma4' in GGUF\), with no experts"):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
 
 
 @pytest.mark.parametrize("arch, says", [

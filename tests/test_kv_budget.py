@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.kv_budget import kv_bytes_per_token
-from tests.fixtures.models import build_checkpoint
+from tests.fixtures.models import build_checkpoint, make_config, random_model
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe"])
@@ -22,9 +22,20 @@ def test_bytes_per_token_are_what_the_cache_holds(tmp_path, family):
     assert kv_bytes_per_token(model.config, torch.float32) * tokens == held
 
 
+def test_layers_of_their_own_sizes_are_counted_each_by_its_own():
+    """Gemma 4's full attention layers have other head sizes and KV heads than its sliding ones."""
+    config = make_config("gemma4_text", 1000, 8, 2, 2, torch.float32, attention_k_eq_v=True, global_head_dim=16,
+                         num_global_key_value_heads=2)
+    model = random_model(config, 0)
+    tokens = 3  # within the sliding window: every layer holds them all
+    with torch.no_grad():
+        cache = model(input_ids=torch.arange(1, tokens + 1)[None], use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_bytes_per_token(config, torch.float32) * tokens == held == tokens * 4 * (2 * 4 * 8 + 2 * 2 * 16)
+
+
 def test_the_load_warns_when_a_full_context_would_not_fit_in_what_is_free(monkeypatch, caplog):
     from engine.kv_budget import warn_if_context_may_not_fit
-    from tests.fixtures.models import make_config
 
     config = make_config("mixtral", 1000, 8, 2, 3, torch.float32)
     per_token = kv_bytes_per_token(config, torch.bfloat16)
