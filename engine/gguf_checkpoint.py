@@ -33,6 +33,8 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Dots1Config,
+    Ernie4_5_MoeConfig,
     Gemma4TextConfig,
     GenerationConfig,
     Glm4MoeConfig,
@@ -75,8 +77,9 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2", "deepseek2",
-                   "glm4moe", "gemma4")  # gptoss: Ollama's GPT-OSS, read as llama.cpp's gpt-oss (`engine.gguf_ollama`)
-OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe")  # architectures whose config transformers does not read from a GGUF file
+                   "glm4moe", "gemma4", "ernie4_5-moe", "dots1")  # gptoss: Ollama's GPT-OSS, read as llama.cpp's gpt-oss (`engine.gguf_ollama`)
+# architectures whose config transformers does not read from a GGUF file
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1")
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -205,7 +208,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
                 experts[target][m["weight"]][int(m["expert"] or 0)] = _expert_tensor(
                     source, tensor, file, target, expected, len(weights_of[target]), transposed, tensor.name in paired)
             elif (weights := names.convert(tensor.name, dequantize_parallel(tensor, pool))) is not None:
-                writer.add(target, weights.contiguous().to(storage_dtype(tensor)), expected)  # None: half kept
+                writer.add(target, _unsqueezed(weights, expected[target]).contiguous().to(storage_dtype(tensor)),
+                           expected)  # None: half kept
             if (i + 1) % 50 == 0:
                 log.info("GGUF: %d of %d tensors, %.1f GiB written, %.0f s", i + 1, len(tensors),
                          writer.bytes_written / 2**30, time.monotonic() - started)
@@ -223,6 +227,14 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     (out / DONE_MARKER).write_text(json.dumps(marker))
     log.info("GGUF %s: converted in %.0f s (%.1f GiB)", source, time.monotonic() - started,
              writer.bytes_written / 2**30)
+
+
+def _unsqueezed(weights: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`weights` in the model's `shape` where llama.cpp's converter dropped its axes of size 1 (ERNIE's router bias,
+    `[1, E]` in the model, `[E]` in the file)."""
+    if weights.shape != shape and [d for d in weights.shape if d != 1] == [d for d in shape if d != 1]:
+        return weights.reshape(shape)
+    return weights
 
 
 def _check_paired_are_experts(source: Path, paired: set[str]) -> None:
@@ -383,6 +395,10 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return glm4moe_config(reader, tensor_names)
     if arch == "gemma4":  # transformers reads neither its experts nor its rotary settings
         return gemma4_config(reader, tensor_names)
+    if arch == "ernie4_5-moe":
+        return ernie4_5_moe_config(reader, tensor_names)
+    if arch == "dots1":
+        return dots1_config(reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -508,6 +524,35 @@ def gemma4_config(reader, tensor_names: set[str]) -> Gemma4TextConfig:
         final_logit_softcapping=key("final_logit_softcapping"), rope_parameters=rope,
         enable_moe_block=int(key("expert_count", 0)) > 0, num_experts=key("expert_count"),
         top_k_experts=key("expert_used_count"), moe_intermediate_size=key("expert_feed_forward_length"),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+
+
+def dots1_config(reader) -> Dots1Config:
+    """dots.llm1 from llama.cpp's `dots1` keys: DeepSeek-V3's router and shared experts with Qwen3's attention (q/k
+    norms, grouped-query heads)."""
+    key = arch_keys(reader, "dots1")
+    return Dots1Config(
+        **_deepseek_style_keys(reader, key), num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))})
+
+
+def ernie4_5_moe_config(reader, tensor_names: set[str]) -> Ernie4_5_MoeConfig:
+    """ERNIE 4.5's MoE models (e.g. 21B-A3B, 300B-A47B) from llama.cpp's `ernie4_5-moe` keys: dense layers first,
+    then an MoE layer every `interleave_moe_layer_step`, to the last; shared experts of the routed ones' size."""
+    key = arch_keys(reader, "ernie4_5-moe")
+    layers, heads, hidden = int(key("block_count")), int(key("attention.head_count")), int(key("embedding_length"))
+    return Ernie4_5_MoeConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length", hidden // heads)),
+        use_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 500000.0))},
+        moe_num_experts=int(key("expert_count")), moe_k=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        moe_num_shared_experts=int(key("expert_shared_count", 0)),
+        moe_layer_start_index=int(key("leading_dense_block_count", 0)), moe_layer_end_index=layers - 1,
+        moe_layer_interval=int(key("interleave_moe_layer_step", 1)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
 
 

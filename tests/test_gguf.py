@@ -344,7 +344,7 @@ def test_a_dense_gemma4_file_is_refused_as_dense(tmp_path, own_state_dir):
 
 
 @pytest.mark.parametrize("arch, says", [
-    ("dots1", "GGUF architecture 'dots1' is not one moe-serve converts"),
+    ("llama4", "GGUF architecture 'llama4' is not one moe-serve converts"),
 ])
 def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
     writer = gguf.GGUFWriter(tmp_path / "other.gguf", arch)
