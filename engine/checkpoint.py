@@ -386,8 +386,9 @@ class _KeyMapper:
         self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self.prefix = getattr(model, "base_model_prefix", None)
-        self.names = dict.fromkeys(name for name, _ in model.named_parameters())
-        self.names.update(dict.fromkeys(name for name, _ in model.named_buffers()))
+        # name → tensor (not None: transformers adds or strips the base model's prefix only for names it finds
+        # with a value, e.g. Llama 4's `language_model.` of a multimodal checkpoint read as its text model)
+        self.names = {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
     def map(self, key: str) -> tuple[str, WeightConverter | None, str | None]:
         target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.names)

@@ -22,6 +22,7 @@ from torch import nn
 
 from cache.host_store import ExpertLayout
 from cache.safetensors_index import CheckpointError
+from engine import llama4_moe
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INTERFACE_ATTRS = ("is_transposed", "is_concatenated", "has_gate", "has_bias")
@@ -41,7 +42,9 @@ class MoELayer:
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
-    """Every experts module of `model` that follows the interface, in decoder-layer order."""
+    """Every experts module of `model` that follows the interface, in decoder-layer order (Llama 4's blocks,
+    which predate it, are first rebuilt on it: `engine.llama4_moe`)."""
+    llama4_moe.adapt(model)
     found = []
     for path, module in model.named_modules():
         if not is_interface_experts(module):
@@ -154,7 +157,8 @@ def _router_of(parent: nn.Module, experts: nn.Module) -> nn.Module | None:
 @functools.cache
 def interface_families() -> tuple[str, ...]:
     """Causal-LM model types whose modeling code marks an experts module with the interface
-    (read from the installed transformers, so a new family shows up without a change here)."""
+    (read from the installed transformers, so a new family shows up without a change here), and Llama 4's,
+    whose blocks are rebuilt on it (`engine.llama4_moe`)."""
     import transformers
     from transformers.models.auto.configuration_auto import model_type_to_module_name
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -165,4 +169,5 @@ def interface_families() -> tuple[str, ...]:
         for path in models.glob("*/modeling_*.py")
         if "@use_experts_implementation" in path.read_text(encoding="utf-8")
     }
-    return tuple(sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if model_type_to_module_name(t) in marked))
+    return tuple(sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                        if model_type_to_module_name(t) in marked or t in llama4_moe.FAMILIES))
