@@ -75,9 +75,10 @@ CONVERTER_VERSION = 1  # part of the folder's identity: a new version converts a
 SHARD_BYTES = 2 << 30
 DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conversion
 
-# the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts)
-CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2", "deepseek2",
-                   "glm4moe", "gemma4", "ernie4_5-moe", "dots1")  # gptoss: Ollama's GPT-OSS, read as llama.cpp's gpt-oss (`engine.gguf_ollama`)
+# the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
+# `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
+CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1")
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
@@ -95,7 +96,7 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # tokens that end a turn which a family's files do not name; llama.cpp finds them by their text at load
 TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"),  # GPT-OSS: a final answer, a tool call (eos: the first)
-                   "gemma4_text": ("<turn|>", "<|tool_response>")}  # Gemma 4: a turn's end, a tool call awaiting its result
+                   "gemma4_text": ("<turn|>", "<|tool_response>")}  # Gemma 4: a turn's end, a call awaiting its result
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
@@ -545,7 +546,8 @@ def ernie4_5_moe_config(reader, tensor_names: set[str]) -> Ernie4_5_MoeConfig:
     return Ernie4_5_MoeConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")), num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length", hidden // heads)),
+        num_key_value_heads=int(key("attention.head_count_kv")),
+        head_dim=int(key("attention.key_length", hidden // heads)),
         use_bias="blk.0.attn_q.bias" in tensor_names,
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 500000.0))},
         moe_num_experts=int(key("expert_count")), moe_k=int(key("expert_used_count")),

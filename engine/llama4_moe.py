@@ -42,8 +42,9 @@ class Llama4InterfaceExperts(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.num_experts = config.num_local_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, 2 * config.intermediate_size))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.intermediate_size, config.hidden_size))
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, hidden, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, inner, hidden))
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
