@@ -173,6 +173,32 @@ CASES = [
     ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>} and more<tool_call|>',
      '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>} and more<tool_call|>', []),
     ("gemma4", "Plain <tool_call> text and a partial <|tool_ca", "Plain <tool_call> text and a partial <|tool_ca", []),
+    # Llama 4: JSON as its shipped template asks (the <|python_start|> tokens around it are dropped by the
+    # decoder), and the Python-style list of Meta's prompt format
+    ("llama4", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "",
+     [("get_weather", {"city": "Paris", "days": 2})]),
+    ("llama4", 'Let me look.\n\n{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", '
+     '"parameters": {}}', "Let me look.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("llama4", '{"name": "get_time", "parameters": {}}\n{ "name": "get_weather", "arguments": {"city": "Rome"}}', "",
+     [("get_time", {}), ("get_weather", {"city": "Rome"})]),
+    ("llama4", '{"type": "function", "name": "get_time", "parameters": {}}', "", [("get_time", {})]),
+    ("llama4", '[get_weather(city="San Francisco", days=3, options={"units": "metric", "alerts": true}), get_time()]',
+     "", [("get_weather", {"city": "San Francisco", "days": 3, "options": {"units": "metric", "alerts": True}}),
+          ("get_time", {})]),
+    ("llama4", "[get_weather(city='O\\'Hare (ORD)', days=-1, options={'list': [1, 2.5, None, False]})]", "",
+     [("get_weather", {"city": "O'Hare (ORD)", "days": -1, "options": {"list": [1, 2.5, None, False]}})]),
+    ("llama4", "See [1] and [the docs](x), a list [a, b] and [f(x)].", "See [1] and [the docs](x), a list [a, b] and "
+     "[f(x)].", []),  # brackets that are not calls, one a call with a positional argument
+    ("llama4", "[get_weather(city=Paris)]", "[get_weather(city=Paris)]", []),  # a bare name as a value
+    ("llama4", "[get_weather(city=open('/etc/passwd').read())]", "[get_weather(city=open('/etc/passwd').read())]",
+     []),  # an expression is never run
+    ("llama4", '[rm_rf(path="/")]', '[rm_rf(path="/")]', []),  # not offered
+    ("llama4", '{"name": "get_weather", "parameters": {"city": "Par', '{"name": "get_weather", "parameters": '
+     '{"city": "Par', []),  # cut by max_tokens
+    ("llama4", '[get_weather(city="Par', '[get_weather(city="Par', []),
+    ("llama4", '{"name": get_weather} and {"name": "x"} then', '{"name": get_weather} and {"name": "x"} then', []),
+    ("llama4", 'The JSON {"name": "Ada", "age": 36} is a person.', 'The JSON {"name": "Ada", "age": 36} is a person.',
+     []),
 ]
 KIMI = {c[1]: c for c in CASES if c[0] == "kimi_k2"}
 
@@ -240,6 +266,10 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }}<|tool_call>call:", "qwen3_moe", "gemma4"),
     ("{{ tools }}", "gemma4", "gemma4"),
     ("{{ tools }}", "gemma4_text", "gemma4"),
+    ("{{ tools }}<|python_start|>{{- '{\"name\": \"' }}", "llama4", "llama4"),
+    ("{{ tools }} Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+     "value}.", "qwen3_moe", "llama4"),
+    ("{{ tools }}", "llama4_text", "llama4"),
     ("{{ tools }}", "qwen2_moe", "hermes"),
     ("{{ tools }}", "olmoe", None),
 ])

@@ -10,6 +10,7 @@ from server.tool_parsers.glm45 import Glm45Parser
 from server.tool_parsers.harmony import HarmonyParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.kimi_k2 import KimiK2Parser
+from server.tool_parsers.llama4 import Llama4Parser
 from server.tool_parsers.minimax_m2 import MiniMaxM2Parser
 from server.tool_parsers.mistral import MistralParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
@@ -17,7 +18,7 @@ from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser, Qwen3CoderParser,
-                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser)
+                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser, Llama4Parser)
 }
 PARSER_NAMES = ("auto", *PARSERS)
 
@@ -32,13 +33,15 @@ _TEMPLATE_SIGNS = (
     ("[TOOL_CALLS]", "mistral"),
     ("tool▁call▁begin", "deepseek_v3"),
     ("to=functions", "harmony"),
+    ("<|python_start|>", "llama4"),  # Llama 4's shipped template
+    ('"parameters": dictionary of argument name', "llama4"),  # the JSON-call instruction of Llama 3.1 and 4
 )
 _MODEL_TYPES = {
     "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
     "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3", "gpt_oss": "harmony",
     "glm4_moe": "glm45", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder",
     "nemotron_h": "qwen3_coder", "minimax_m2": "minimax_m2", "kimi_k2": "kimi_k2", "kimi_linear": "kimi_k2",
-    "gemma4": "gemma4", "gemma4_text": "gemma4",
+    "gemma4": "gemma4", "gemma4_text": "gemma4", "llama4": "llama4", "llama4_text": "llama4",
 }
 
 

@@ -84,11 +84,12 @@ class ToolParser:
         return None
 
 
-def call_schema(tools: list[dict], name: str | None) -> dict:
-    """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given)."""
+def call_schema(tools: list[dict], name: str | None, arguments_key: str = "arguments") -> dict:
+    """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given);
+    `arguments_key`: the format's name for the arguments."""
     options = [
-        {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-         "properties": {"name": {"const": f["name"]}, "arguments": parameters_schema(f)}}
+        {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+         "properties": {"name": {"const": f["name"]}, arguments_key: parameters_schema(f)}}
         for f in functions(tools, name)
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
