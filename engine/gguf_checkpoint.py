@@ -39,6 +39,7 @@ from transformers import (
     GenerationConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    Llama4TextConfig,
     MixtralConfig,
     PretrainedConfig,
 )
@@ -78,9 +79,10 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
-                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1")
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4")
 # architectures whose config transformers does not read from a GGUF file
-OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1")
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4")
+LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -96,7 +98,8 @@ GGUF_BITS = {**dict.fromkeys(("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ1_S", "
 END_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # tokens that end a turn which a family's files do not name; llama.cpp finds them by their text at load
 TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"),  # GPT-OSS: a final answer, a tool call (eos: the first)
-                   "gemma4_text": ("<turn|>", "<|tool_response>")}  # Gemma 4: a turn's end, a call awaiting its result
+                   "gemma4_text": ("<turn|>", "<|tool_response>"),  # Gemma 4: a turn's end, a call awaiting its result
+                   "llama4_text": ("<|eot|>", "<|eom|>")}  # Llama 4: a turn's end, a message awaiting a tool's result
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
@@ -400,6 +403,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return ernie4_5_moe_config(reader, tensor_names)
     if arch == "dots1":
         return dots1_config(reader)
+    if arch == "llama4":
+        return llama4_config(source, reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -556,6 +561,73 @@ def ernie4_5_moe_config(reader, tensor_names: set[str]) -> Ernie4_5_MoeConfig:
         moe_layer_start_index=int(key("leading_dense_block_count", 0)), moe_layer_end_index=layers - 1,
         moe_layer_interval=int(key("interleave_moe_layer_step", 1)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+
+
+def llama4_config(source: Path, reader) -> Llama4TextConfig:
+    """Llama 4 (Scout, Maverick) from llama.cpp's `llama4` keys: an MoE layer every `interleave_moe_layer_step`, dense
+    layers of `feed_forward_length` between; what llama.cpp fixes for the family rather than reading it (no rotary on
+    every fourth layer, attention in chunks of 8192 on the others, the attention temperature of the unrotated layers,
+    and the weightless q/k norm, which the 128-expert Maverick lacks) left at transformers' defaults, which are the
+    same; Llama 3's rotary scaling rebuilt from the factors the file keeps in `rope_freqs`."""
+    key = arch_keys(reader, "llama4")
+    heads, hidden, layers = int(key("attention.head_count")), int(key("embedding_length")), int(key("block_count"))
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
+    experts = int(key("expert_count", 0))
+    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 500000.0))}
+    factors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        original = int(key("rope.scaling.original_context_length", LLAMA3_ORIGINAL_CONTEXT))
+        rope = llama3_rope(source, rope["rope_theta"], head_dim, np.asarray(factors, np.float64), original)
+    step = int(key("interleave_moe_layer_step", 1))
+    return Llama4TextConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        intermediate_size=int(key("expert_feed_forward_length", 0)), intermediate_size_mlp=int(key("feed_forward_length")),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv")),
+        head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=int(key("expert_used_count", 1)),
+        interleave_moe_layer_step=step, moe_layers=None if experts else [], use_qk_norm=experts != 128,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
+        rope_parameters=rope)
+
+
+def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, original: int) -> dict[str, Any]:
+    """Llama 3's rotary scaling (`rope_type: llama3`) from the per-frequency factors llama.cpp's converter computed
+    from it: 1 for fast rotations, `factor` for slow ones, a smooth blend between. Only the ratios of the context
+    length to the two frequency factors shape the factors, so the context length is taken as the file's (or llama.cpp's
+    default) and the two factors fitted to it; the result is checked to give back every factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inverse = theta ** -(np.arange(0, head_dim, 2) / head_dim)
+    x = original * inverse / (2 * np.pi)  # the context over each wavelength: falls along the head
+    factor = float(factors.max())
+    if np.isclose(factor, 1.0):
+        return {"rope_type": "default", "rope_theta": theta}
+    ones, full = np.isclose(factors, 1.0, rtol=1e-5), np.isclose(factors, factor, rtol=1e-5)
+    blend = ~ones & ~full
+    share = (1 / factors[blend] - 1 / factor) / (1 - 1 / factor)  # how far each blended one is from `factor`
+    if blend.sum() >= 2:  # share = (x - low) / (high - low)
+        slope, intercept = np.polyfit(x[blend], share, 1)
+        low = -intercept / slope
+        high = low + 1 / slope
+    else:
+        above = x[ones].min() if ones.any() else 2 * x.max()  # x beyond `high` rotates unscaled
+        below = x[full].max() if full.any() else x.min() / 2  # x below `low` is scaled by `factor`
+        if blend.any():  # one blended frequency: `low` midway to the scaled ones and `high` from its share, or
+            middle, part = float(x[blend][0]), float(share[0])  # the other way round where that one overshoots
+            low = float(np.sqrt(middle * below))
+            high = low + (middle - low) / part
+            if high >= above:
+                high = float(np.sqrt(middle * above))
+                low = (middle - part * high) / (1 - part)
+        else:  # a step: both between the scaled and the unscaled, no frequency between them
+            low, high = float(below ** (2 / 3) * above ** (1 / 3)), float(below ** (1 / 3) * above ** (2 / 3))
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": float(low),
+            "high_freq_factor": float(high), "original_max_position_embeddings": original}
+    check = Llama4TextConfig(head_dim=head_dim, rope_parameters=rope)
+    rebuilt, _ = ROPE_INIT_FUNCTIONS["llama3"](check)
+    if not np.allclose(rebuilt.double().numpy(), inverse / factors, rtol=1e-4):
+        raise CheckpointError(f"{source}: its rotary factors (`rope_freqs`) are not Llama 3's scaling, which is the "
+                              f"only one moe-serve reads from them")
+    return rope
 
 
 def _deepseek_style_keys(reader, key: Callable[..., Any]) -> dict[str, Any]:

@@ -92,12 +92,15 @@ def file_experts(path, model: torch.nn.Module, per_expert: bool = False) -> torc
     copy = type(model)(model.config)
     copy.load_state_dict(model.state_dict())
     copy.eval()
-    for i in range(model.config.num_hidden_layers):
-        experts = getattr(copy.model.layers[i].mlp, "experts", None)
+    for i, layer in enumerate(copy.model.layers):
+        experts = getattr(getattr(layer, "mlp", None) or layer.feed_forward, "experts", None)  # Llama 4: feed_forward
         if experts is None:  # a dense layer (DeepSeek's first)
             continue
         gate, up, down = decoded(i, "gate"), decoded(i, "up"), decoded(i, "down")  # [E, I, H] × 2, [E, H, I]
-        if experts.is_transposed:  # GPT-OSS: [E, H, 2I], gate and up columns alternating; [E, I, H]
+        if model.config.model_type == "llama4_text":  # [E, H, 2I], gate's columns first; [E, I, H]
+            experts.gate_up_proj.data.copy_(torch.cat([gate, up], dim=1).transpose(1, 2))
+            experts.down_proj.data.copy_(down.transpose(1, 2))
+        elif experts.is_transposed:  # GPT-OSS: [E, H, 2I], gate and up columns alternating; [E, I, H]
             experts.gate_up_proj.data.copy_(torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2))
             experts.down_proj.data.copy_(down.transpose(1, 2))
         else:
@@ -121,6 +124,23 @@ def test_quantized_experts_are_read_from_the_file_as_it_holds_them(expert_type, 
     assert engine.loaded.quant is not None and engine.loaded.quant.expert_dtype == "float32"
     prompt_ids = engine.encode(PROMPT)
     assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+
+
+@pytest.mark.parametrize("expert_type, form", [("Q8_0", "int8"), ("Q4_K", "int4")])
+def test_a_llama4_files_quantized_experts_are_served_as_the_file_holds_them(expert_type, form, tmp_path):
+    """Llama 4's experts are held `[E, in, out]` by the model, `[E, out, in]` by the file (Scout's files are mostly
+    4-bit K-quants): decoded, they give the tokens of the model holding the file's values; `auto` keeps them small."""
+    model = tiny_gguf_model("llama4_text", seed=1, width=256 if expert_type == "Q4_K" else None)
+    path = write_gguf(model, tmp_path / "llama4-q.gguf", expert_type)
+    assert gguf_checkpoint.gguf_expert_dtype(resolve_model_path(str(path))) == form
+    as_file = file_experts(path, model)
+    down = as_file.model.layers[1].feed_forward.experts.down_proj
+    assert not torch.equal(down, model.model.layers[1].feed_forward.experts.down_proj)
+    engine = load(path, 3, expert_dtype="bf16")  # the file's values, decoded once into float32
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(as_file, prompt_ids)
+    engine = load(path, 3)  # `auto`: served in the file's size class
+    assert engine.loaded.quant.expert_dtype == form and len(greedy(engine, prompt_ids)) == NEW_TOKENS
 
 
 def test_a_gemma4_files_fused_quantized_experts_are_served_as_the_file_holds_them(tmp_path):
@@ -274,7 +294,8 @@ def test_generation_stops_at_each_id_the_file_says_ends_a_turn(tmp_path):
 
 
 @pytest.mark.parametrize("family, turn_ends", [("gpt_oss", ["<|return|>", "<|call|>"]),
-                                               ("gemma4_text", ["<turn|>", "<|tool_response>"])])
+                                               ("gemma4_text", ["<turn|>", "<|tool_response>"]),
+                                               ("llama4_text", ["<|eot|>", "<|eom|>"])])
 def test_a_turn_ends_where_the_model_ends_it_though_the_file_does_not_say(family, turn_ends, tmp_path):
     """GPT-OSS's files name only `<|return|>` as their end, a tool call ends with `<|call|>`; Gemma 4's name
     `<eos>`, a turn ends with `<turn|>` and a tool call waits for its result at `<|tool_response>` (the models' own
@@ -326,6 +347,47 @@ def test_an_ollama_blob_without_an_extension_is_read_as_gguf(tmp_path):
     assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
 
 
+def test_a_llama4_file_keeps_its_layer_kinds_and_rotary_scaling(tmp_path):
+    """Llama 4's MoE and dense layers alternate (Maverick) with widths of their own; its unrotated every-fourth layer,
+    chunked attention and q/k norm are fixed by llama.cpp for the family; its rotary scaling is kept only as factors,
+    which must rotate every pair as the model's own parameters do."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = tiny_gguf_model("llama4_text")
+    original = model.config
+    converted = AutoConfig.from_pretrained(resolve_model_path(str(write_gguf(model, tmp_path / "llama4.gguf"))))
+    for attribute in ("moe_layers", "no_rope_layers", "layer_types", "attention_chunk_size", "use_qk_norm",
+                      "intermediate_size", "intermediate_size_mlp", "num_local_experts", "num_experts_per_tok",
+                      "head_dim", "attn_temperature_tuning", "floor_scale", "attn_scale"):
+        assert getattr(converted, attribute) == getattr(original, attribute), attribute
+    assert converted.moe_layers == [1, 3] and converted.no_rope_layers == [1, 1, 1, 0]
+    assert converted.rope_parameters["rope_type"] == "llama3"
+    rotations = [ROPE_INIT_FUNCTIONS["llama3"](config)[0] for config in (original, converted)]
+    torch.testing.assert_close(rotations[1], rotations[0], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("head_dim, rope", [
+    (128, {"factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0}),  # Llama 4 Scout: a step
+    (128, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),  # Llama 3.1: a blend
+    (8, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),  # one blended frequency
+    (64, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0}),
+])
+def test_llama3_rotary_scaling_is_rebuilt_from_its_factors(head_dim, rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tests.fixtures.gguf_files import llama3_rope_factors
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "original_max_position_embeddings": 8192, **rope}
+    factors = llama3_rope_factors(head_dim, rope).astype(float)
+    rebuilt = gguf_checkpoint.llama3_rope(tmp := gguf_checkpoint.Path("x.gguf"), 500000.0, head_dim, factors, 8192)
+    assert rebuilt["factor"] == rope["factor"] and rebuilt["original_max_position_embeddings"] == 8192
+    configs = [gguf_checkpoint.Llama4TextConfig(head_dim=head_dim, rope_parameters=r) for r in (rope, rebuilt)]
+    want, got = (ROPE_INIT_FUNCTIONS["llama3"](config)[0] for config in configs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    with pytest.raises(CheckpointError, match="not Llama 3's scaling"):  # factors of another kind
+        gguf_checkpoint.llama3_rope(tmp, 500000.0, head_dim, factors[::-1].copy(), 8192)
+
+
 def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
     folder, name = gguf_location()  # SmolLM2-135M: a dense llama model
     with pytest.raises(CheckpointError, match=r"'llama'.*not a Mixture-of-Experts family moe-serve serves"):
@@ -344,7 +406,7 @@ def test_a_dense_gemma4_file_is_refused_as_dense(tmp_path, own_state_dir):
 
 
 @pytest.mark.parametrize("arch, says", [
-    ("llama4", "GGUF architecture 'llama4' is not one moe-serve converts"),
+    ("jamba", "GGUF architecture 'jamba' is not one moe-serve converts"),
 ])
 def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
     writer = gguf.GGUFWriter(tmp_path / "other.gguf", arch)
