@@ -66,7 +66,7 @@ from engine.gguf_experts import (
     recorded_experts,
 )
 from engine.gguf_sources import split_parts
-from engine.gguf_tokenizer import load_gguf_tokenizer
+from engine.gguf_tokenizer import apply_file_split_rule, load_gguf_tokenizer
 from engine.moe_layers import find_moe_layers, interface_families
 from engine.paths import default_gguf_folder
 
@@ -568,8 +568,11 @@ def llama4_config(source: Path, reader) -> Llama4TextConfig:
     layers of `feed_forward_length` between; what llama.cpp fixes for the family rather than reading it (no rotary on
     every fourth layer, attention in chunks of 8192 on the others, the attention temperature of the unrotated layers,
     and the weightless q/k norm, which the 128-expert Maverick lacks) left at transformers' defaults, which are the
-    same; Llama 3's rotary scaling rebuilt from the factors the file keeps in `rope_freqs`."""
+    same; Llama 3's rotary scaling rebuilt from the factors the file keeps in `rope_freqs`. Ollama's own files (`ollama
+    pull llama4`) have the same tensors but name the widths `intermediate_size` (dense) and `intermediate_size_moe`
+    (its `feed_forward_length` is the experts') and say whether q/k are normed."""
     key = arch_keys(reader, "llama4")
+    ollama = key("intermediate_size_moe") is not None
     heads, hidden, layers = int(key("attention.head_count")), int(key("embedding_length")), int(key("block_count"))
     head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
     experts = int(key("expert_count", 0))
@@ -581,10 +584,12 @@ def llama4_config(source: Path, reader) -> Llama4TextConfig:
     step = int(key("interleave_moe_layer_step", 1))
     return Llama4TextConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
-        intermediate_size=int(key("expert_feed_forward_length", 0)), intermediate_size_mlp=int(key("feed_forward_length")),
+        intermediate_size=int(key("intermediate_size_moe") if ollama else key("expert_feed_forward_length", 0)),
+        intermediate_size_mlp=int(key("intermediate_size") if ollama else key("feed_forward_length")),
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv")),
         head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=int(key("expert_used_count", 1)),
-        interleave_moe_layer_step=step, moe_layers=None if experts else [], use_qk_norm=experts != 128,
+        interleave_moe_layer_step=step, moe_layers=None if experts else [],
+        use_qk_norm=bool(key("use_qk_norm", experts != 128)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         rope_parameters=rope)
 
@@ -758,6 +763,8 @@ def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) 
                         "chat_template.jinja from openai/gpt-oss-20b); /v1/completions works without", source)
     else:
         tokenizer = load_gguf_tokenizer(source, reads_config=arch not in OWN_CONFIG_ARCHS)
+    if arch == "llama4" and reader.fields["tokenizer.ggml.pre"].contents() == "default":  # Ollama's: unnamed
+        apply_file_split_rule(tokenizer, "llama4")  # the rule Ollama's model applies, Llama 4's own
     if arch == "gemma4" and reader.fields["tokenizer.ggml.model"].contents() != "gemma4":  # Ollama's: `llama`
         log.warning("GGUF %s: its Gemma 4 vocabulary is of type %r (llama.cpp writes `gemma4`, Ollama `llama`) and is "
                     "read as transformers reads that type, not checked against Gemma 4's own tokenizer", source,

@@ -82,6 +82,7 @@ SPLITS: dict[str, tuple[str, ...]] = {
     "hunyuan": (GGUF_PRE_TOKENIZER_SPLITS["qwen2"],),
     "grok-2": (GGUF_PRE_TOKENIZER_SPLITS["qwen2"],),
     "stablelm2": (GGUF_PRE_TOKENIZER_SPLITS["qwen2"],),
+    "llama4": (GGUF_PRE_TOKENIZER_SPLITS["llama4"],),  # also for Ollama's Llama 4 files, which name none
     "smollm": (r"\p{N}", _GPT2),  # digits one by one, as SmolLM's own tokenizer splits them
     "starcoder": (r"\p{N}", _GPT2),
 }

@@ -33,6 +33,7 @@ from tests.fixtures.gguf_files import (
     tiny_gguf_model,
     write_gguf,
     write_ollama_gpt_oss,
+    write_ollama_llama4,
 )
 from tests.fixtures.models import make_config, random_model
 
@@ -386,6 +387,21 @@ def test_llama3_rotary_scaling_is_rebuilt_from_its_factors(head_dim, rope):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     with pytest.raises(CheckpointError, match="not Llama 3's scaling"):  # factors of another kind
         gguf_checkpoint.llama3_rope(tmp, 500000.0, head_dim, factors[::-1].copy(), 8192)
+
+
+def test_ollamas_own_llama4_file_is_served_as_llama_cpps(tmp_path):
+    """What `ollama pull llama4` fetches: llama.cpp's tensors, the vision model's beside them, the widths under keys of
+    Ollama's own, the split rule unnamed (its model splits as Llama 4's tokenizer does)."""
+    model = tiny_gguf_model("llama4_text", seed=2)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf", "Q8_0")
+    path = write_ollama_llama4(llama_cpp, tmp_path / "ollama.gguf", model.config)
+    engine = load(path, 3, expert_dtype="bf16")
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(file_experts(llama_cpp, model), prompt_ids)
+    converted = AutoConfig.from_pretrained(resolve_model_path(str(path)))
+    assert (converted.intermediate_size, converted.intermediate_size_mlp) == (64, 48)
+    split = json.loads((resolve_model_path(str(path)) / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert r"\\p{N}{1,3}" in json.dumps(split)  # Llama 4's rule: digits in threes
 
 
 def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
