@@ -41,6 +41,7 @@ from transformers import (
     GptOssConfig,
     Llama4TextConfig,
     MixtralConfig,
+    OlmoeConfig,
     PretrainedConfig,
 )
 from transformers.core_model_loading import Concatenate, WeightConverter, rename_source_key
@@ -79,9 +80,9 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
-                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4")
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe")
 # architectures whose config transformers does not read from a GGUF file
-OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4")
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe")
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -405,6 +406,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return dots1_config(reader)
     if arch == "llama4":
         return llama4_config(source, reader)
+    if arch == "olmoe":
+        return olmoe_config(reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -592,6 +595,21 @@ def llama4_config(source: Path, reader) -> Llama4TextConfig:
         use_qk_norm=bool(key("use_qk_norm", experts != 128)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         rope_parameters=rope)
+
+
+def olmoe_config(reader) -> OlmoeConfig:
+    """OLMoE from llama.cpp's `olmoe` keys: every layer MoE, experts of `feed_forward_length`, q/k normed over the
+    whole projection, the router's top-k weights not renormalised (as llama.cpp runs it and OLMoE was trained)."""
+    key = arch_keys(reader, "olmoe")
+    heads = int(key("attention.head_count"))
+    return OlmoeConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)), num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=bool(key("expert_weights_norm", False)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
 
 
 def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, original: int) -> dict[str, Any]:
