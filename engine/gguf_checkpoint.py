@@ -39,6 +39,8 @@ from transformers import (
     GenerationConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
     Llama4TextConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -80,9 +82,10 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
-                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe")
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe")
 # architectures whose config transformers does not read from a GGUF file
-OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe")
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe")
+PERMUTED_QK_ARCHS = ("llama", "granitemoe")  # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -110,6 +113,7 @@ EXPERT_TENSOR = re.compile(
 WEIGHT_ORDER = ("gate_up", "gate", "up", "down")  # gate_up_proj: gate's rows first
 # Gemma 4's router scales, which llama.cpp names after the tensors they scale: the router's input, each expert's output
 ROUTER_SCALE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<scaled>ffn_gate_inp|ffn_down_exps)\.scale")
+ROUTER = re.compile(r"blk\.(?P<layer>\d+)\.ffn_gate_inp\.weight")
 ROUTER_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.exp_probs_b\.bias")  # DeepSeek-V3's e_score_correction_bias
 
 
@@ -279,12 +283,19 @@ class LegacyNames:
 
     def __init__(self, arch: str, config: PretrainedConfig, model: torch.nn.Module) -> None:
         processor_class = MixtralTensorProcessor if config.model_type == "mixtral" else TENSOR_PROCESSORS.get(arch)
+        if processor_class is None and arch in PERMUTED_QK_ARCHS:
+            processor_class = LlamaTensorProcessor
         self.processor = (processor_class or TensorProcessor)(config=config.to_dict())
         self.names = get_gguf_hf_weights_map(model, self.processor, model_type=arch)  # merged: no `.weight`
-        self.experts = {layer.decoder_layer: layer.path for layer in find_moe_layers(model)}
+        layers = find_moe_layers(model)
+        self.experts = {layer.decoder_layer: layer.path for layer in layers}
+        module_names = {module: name for name, module in model.named_modules()}
+        self.routers = {layer.decoder_layer: f"{module_names[layer.router]}.weight" for layer in layers
+                        if layer.router is not None and hasattr(layer.router, "weight")}
         self.router_biases = {int(m[1]): name for name in model.state_dict()
                               if (m := re.search(r"layers\.(\d+)\..*e_score_correction_bias$", name))}
         self.kv_b = SplitKVB(config)
+        self.shared_input = SplitSharedInput(model)
 
     def target(self, name: str) -> str | None:
         """Our parameter for a GGUF tensor; a per-expert one (`ffn_gate.3`) maps as its layer's merged tensor, and
@@ -300,6 +311,10 @@ class LegacyNames:
             found = self.router_biases.get(int(bias["layer"]))
         if found is None and (half := SplitKVB.HALF.fullmatch(name)):
             found = self.names.get(f"blk.{half['layer']}.attn_kv_b.weight")
+        if found is None and (router := ROUTER.fullmatch(name)):  # a router the name map lacks (Granite's)
+            found = self.routers.get(int(router["layer"]))
+        if found is None:
+            found = self.shared_input.target(name)
         if found is None and (scale := ROUTER_SCALE.fullmatch(name)):  # beside the router's `proj.weight`
             router = self.names.get(f"blk.{scale['layer']}.ffn_gate_inp.weight", "").removesuffix("proj.weight")
             found = router and router + ("scale" if scale["scaled"] == "ffn_gate_inp" else "per_expert_scale")
@@ -308,6 +323,8 @@ class LegacyNames:
     def convert(self, name: str, weights: np.ndarray) -> torch.Tensor | None:
         if SplitKVB.HALF.fullmatch(name):
             return self.kv_b.join(name, torch.from_numpy(weights))
+        if self.shared_input.target(name):
+            return self.shared_input.join(name, torch.from_numpy(weights))
         return torch.from_numpy(np.ascontiguousarray(self.processor.process(weights=weights, name=name).weights))
 
     def check_expert(self, name: str) -> None:
@@ -335,6 +352,32 @@ class SplitKVB:
         del self.pending[m["layer"]]
         joined = torch.cat([halves["k"].transpose(1, 2), halves["v"]], dim=1)  # [heads, nope + v, kv_lora]
         return joined.reshape(-1, joined.shape[-1])
+
+
+class SplitSharedInput:
+    """Granite's shared expert input `shared_mlp.input_linear` `[2S, H]` (gate rows first), which llama.cpp writes as
+    `ffn_gate_shexp` and `ffn_up_shexp`. The first of a layer's two is kept until the second comes."""
+
+    HALF = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<half>gate|up)_shexp\.weight")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.targets = {int(m[1]): name for name in model.state_dict()
+                        if (m := re.search(r"layers\.(\d+)\.shared_mlp\.input_linear\.weight$", name))}
+        self.pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+
+    def target(self, name: str) -> str | None:
+        m = self.HALF.fullmatch(name)
+        return self.targets.get(int(m["layer"])) if m else None
+
+    def join(self, name: str, weights: torch.Tensor) -> torch.Tensor | None:
+        """`input_linear` once both of its layer's halves came, None before."""
+        m = self.HALF.fullmatch(name)
+        halves = self.pending[m["layer"]]
+        halves[m["half"]] = weights
+        if len(halves) < 2:
+            return None
+        del self.pending[m["layer"]]
+        return torch.cat([halves["gate"], halves["up"]])
 
 
 class MappedNames:
@@ -408,6 +451,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return llama4_config(source, reader)
     if arch == "olmoe":
         return olmoe_config(reader)
+    if arch == "granitemoe":
+        return granitemoe_config(reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -610,6 +655,28 @@ def olmoe_config(reader) -> OlmoeConfig:
         num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=bool(key("expert_weights_norm", False)),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+
+
+def granitemoe_config(reader) -> GraniteMoeConfig | GraniteMoeSharedConfig:
+    """Granite 3's MoE models (e.g. granite-3.1-3b-a800m), with a shared expert where the file gives its width
+    (`granitemoeshared`), from llama.cpp's `granitemoe` keys: Granite's four multipliers are its embedding, residual,
+    attention and logit scales."""
+    key = arch_keys(reader, "granitemoe")
+    heads = int(key("attention.head_count"))
+    common = dict(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)), num_local_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
+        embedding_multiplier=float(key("embedding_scale", 1.0)), residual_multiplier=float(key("residual_scale", 1.0)),
+        attention_multiplier=float(key("attention.scale", 1.0)), logits_scaling=float(key("logit_scale", 1.0)))
+    shared = key("expert_shared_feed_forward_length")
+    if shared:
+        return GraniteMoeSharedConfig(**common, shared_intermediate_size=int(shared))
+    return GraniteMoeConfig(**common)
 
 
 def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, original: int) -> dict[str, Any]:

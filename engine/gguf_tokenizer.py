@@ -85,6 +85,11 @@ SPLITS: dict[str, tuple[str, ...]] = {
     "llama4": (GGUF_PRE_TOKENIZER_SPLITS["llama4"],),  # also for Ollama's Llama 4 files, which name none
     "smollm": (r"\p{N}", _GPT2),  # digits one by one, as SmolLM's own tokenizer splits them
     "starcoder": (r"\p{N}", _GPT2),
+    "refact": (r"\p{N}", _GPT2),  # Granite's, among others
+    "command-r": (r"\p{N}", _GPT2),
+    "codeshell": (r"\p{N}", _GPT2),
+    "exaone": (r"\p{N}", _GPT2),
+    "minerva": (r"\p{N}", _GPT2),
 }
 
 
