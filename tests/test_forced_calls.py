@@ -42,6 +42,7 @@ FORMATS = {
     "kimi_k2": ("qwen3_moe", "kimi_k2", tool_templates.KIMI_K2_TOOLS_TEMPLATE, "<|tool_call_argument_begin|>"),
     "gemma4": ("qwen3_moe", "gemma4", tool_templates.GEMMA4_TOOLS_TEMPLATE, "<|tool_call>"),
     "llama4": ("qwen3_moe", "llama4", tool_templates.LLAMA4_TOOLS_TEMPLATE, None),  # plain JSON: no marker token
+    "granite": ("qwen3_moe", "granite", tool_templates.GRANITE_TOOLS_TEMPLATE, "<|tool_call|>"),
 }
 
 

@@ -173,6 +173,16 @@ CASES = [
     ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>} and more<tool_call|>',
      '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>} and more<tool_call|>', []),
     ("gemma4", "Plain <tool_call> text and a partial <|tool_ca", "Plain <tool_call> text and a partial <|tool_ca", []),
+    # Granite 3: a JSON list after <|tool_call|>; Granite 3.1 may write it in an unclosed <tool_call> (hermes)
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+     '"arguments": {}}]', "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("granite", 'Checking.<|tool_call|>{"name": "get_time", "arguments": {}}', "Checking.", [("get_time", {})]),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Par', '<|tool_call|>[{"name": '
+     '"get_weather", "arguments": {"city": "Par', []),
+    ("granite", '<|tool_call|>[{"name": "get_time", "arguments": {}}, 3]', '<|tool_call|>[{"name": "get_time", '
+     '"arguments": {}}, 3]', []),
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
+     '"arguments": {}}]', "", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
     # Llama 4: JSON as its shipped template asks (the <|python_start|> tokens around it are dropped by the
     # decoder), and the Python-style list of Meta's prompt format
     ("llama4", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "",
@@ -270,6 +280,8 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }} Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
      "value}.", "qwen3_moe", "llama4"),
     ("{{ tools }}", "llama4_text", "llama4"),
+    ("{{ tools }} respond with <|tool_call|> followed by a JSON list", "granitemoe", "granite"),
+    ("{{ tools }}", "granitemoeshared", "granite"),
     ("{{ tools }}", "qwen2_moe", "hermes"),
     ("{{ tools }}", "olmoe", None),
 ])

@@ -7,6 +7,7 @@ from server.tool_parsers.base import FunctionCall, Match, ToolParser
 from server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
 from server.tool_parsers.gemma4 import Gemma4Parser
 from server.tool_parsers.glm45 import Glm45Parser
+from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.harmony import HarmonyParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.kimi_k2 import KimiK2Parser
@@ -18,7 +19,7 @@ from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser, Qwen3CoderParser,
-                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser, Llama4Parser)
+                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser, Llama4Parser, GraniteParser)
 }
 PARSER_NAMES = ("auto", *PARSERS)
 
@@ -28,6 +29,7 @@ _TEMPLATE_SIGNS = (
     ("<function=", "qwen3_coder"),  # inside <tool_call>: before hermes
     ("<minimax:tool_call>", "minimax_m2"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<|tool_call|>", "granite"),
     ("<|tool_call>", "gemma4"),  # not inside `<tool_call>`, yet kept before it
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
@@ -42,6 +44,7 @@ _MODEL_TYPES = {
     "glm4_moe": "glm45", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder",
     "nemotron_h": "qwen3_coder", "minimax_m2": "minimax_m2", "kimi_k2": "kimi_k2", "kimi_linear": "kimi_k2",
     "gemma4": "gemma4", "gemma4_text": "gemma4", "llama4": "llama4", "llama4_text": "llama4",
+    "granite": "granite", "granitemoe": "granite", "granitemoeshared": "granite",
 }
 
 

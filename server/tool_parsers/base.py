@@ -164,6 +164,22 @@ def function_call(name: Any, arguments: Any) -> FunctionCall | None:
     return FunctionCall(name.strip(), json.dumps(arguments, ensure_ascii=False))
 
 
+def json_calls(text: str, start: int, final: bool) -> Match | None:
+    """The calls written as JSON from `text[start:]` on: a list of `{"name": ..., "arguments": {...}}` objects, or
+    one such object. None while the JSON is not complete; the span is text where it does not parse or any item is
+    not a call."""
+    decoded = decode_prefix(text[start:])
+    if decoded is None:
+        return malformed(text) if final else None
+    value, end = decoded
+    end += start
+    items = value if isinstance(value, list) else [value]
+    calls = [function_call(i.get("name"), i.get("arguments", {})) if isinstance(i, dict) else None for i in items]
+    if not calls or None in calls:
+        return malformed(text, end)
+    return Match(end, tuple(calls))
+
+
 def loads(text: str) -> Any:
     """JSON, or None where it is not JSON."""
     try:

@@ -1,4 +1,5 @@
-"""Hermes style, used by Qwen2/2.5/3: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`."""
+"""Hermes style, used by Qwen2/2.5/3: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`; a JSON list of
+such calls in one block (Granite 3.1, which may leave the block unclosed at the end) is read too."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ class HermesParser(ToolParser):
             return None
         end = len(text) if close < 0 else close + len(CLOSE)  # an unclosed call at the end: parse what is there
         body = loads(text[len(OPEN): close if close >= 0 else len(text)].strip())
-        if not isinstance(body, dict):
+        items = body if isinstance(body, list) else [body]  # a list: Granite 3.1's form
+        calls = [function_call(i.get("name"), i.get("arguments", i.get("parameters", {}))) if isinstance(i, dict)
+                 else None for i in items]
+        if not calls or None in calls:
             return malformed(text, end)
-        call = function_call(body.get("name"), body.get("arguments", body.get("parameters", {})))
-        return Match(end, (call,)) if call else malformed(text, end)
+        return Match(end, tuple(calls))
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         return (f'start: {self.literal(OPEN)} "\\n" call "\\n" {self.literal(CLOSE)}\n'

@@ -13,6 +13,7 @@ from server.tool_parsers.base import (
     call_schema,
     decode_prefix,
     function_call,
+    json_calls,
     json_rule,
     malformed,
 )
@@ -29,24 +30,11 @@ class MistralParser(ToolParser):
     def match(self, text: str, final: bool) -> Match | None:
         rest = text[len(MARKER):]
         if rest.lstrip()[:1] in ("[", "{"):
-            return self._json_list(text, final)
+            return json_calls(text, len(MARKER), final)
         named = _NAMED.match(rest)
         if named is None:
             return malformed(text) if final else None
         return self._named(text, len(MARKER) + named.end(), named.group(1), final)
-
-    def _json_list(self, text: str, final: bool) -> Match | None:
-        decoded = decode_prefix(text[len(MARKER):])
-        if decoded is None:
-            return malformed(text) if final else None
-        value, end = decoded
-        end += len(MARKER)
-        items = value if isinstance(value, list) else [value]
-        calls = [function_call(i.get("name"), i.get("arguments", {})) if isinstance(i, dict) else None
-                 for i in items]
-        if not calls or None in calls:
-            return malformed(text, end)
-        return Match(end, tuple(calls))
 
     def _named(self, text: str, args_at: int, name: str, final: bool) -> Match | None:
         decoded = decode_prefix(text[args_at:])
