@@ -68,6 +68,7 @@ from engine.gguf_experts import (
     read_marker,
     recorded_experts,
 )
+from engine.gguf_qwen3next import Qwen3NextNames, qwen3next_config
 from engine.gguf_sources import split_parts
 from engine.gguf_tokenizer import apply_file_split_rule, load_gguf_tokenizer
 from engine.moe_layers import find_moe_layers, interface_families
@@ -82,9 +83,9 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
-                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe")
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next")
 # architectures whose config transformers does not read from a GGUF file
-OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe")
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next")
 PERMUTED_QK_ARCHS = ("llama", "granitemoe")  # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
@@ -191,6 +192,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     names_arch = "gpt-oss" if arch == gguf_ollama.ARCH else arch
     names = (MappedNames(names_arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(names_arch)
              else LegacyNames(names_arch, config, model))
+    if arch == "qwen3next":  # its converter changes the linear attention: undone around the common map
+        names = Qwen3NextNames(config, names)
     moe_layers = find_moe_layers(model)
     if not moe_layers:  # a family with dense and MoE variants (Gemma 4's E4B, 31B)
         raise CheckpointError(f"{source}: a dense {config.model_type!r} model ({arch!r} in GGUF), with no experts: "
@@ -453,6 +456,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return olmoe_config(reader)
     if arch == "granitemoe":
         return granitemoe_config(reader)
+    if arch == "qwen3next":
+        return qwen3next_config(reader, arch_keys(reader, arch))
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
