@@ -41,6 +41,7 @@ from transformers import (
     GptOssConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
+    Lfm2MoeConfig,
     Llama4TextConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -83,9 +84,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
-                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next")
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
+                   "lfm2moe")
 # architectures whose config transformers does not read from a GGUF file
-OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next")
+OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
+                    "lfm2moe")
 PERMUTED_QK_ARCHS = ("llama", "granitemoe")  # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
@@ -295,8 +298,8 @@ class LegacyNames:
         module_names = {module: name for name, module in model.named_modules()}
         self.routers = {layer.decoder_layer: f"{module_names[layer.router]}.weight" for layer in layers
                         if layer.router is not None and hasattr(layer.router, "weight")}
-        self.router_biases = {int(m[1]): name for name in model.state_dict()
-                              if (m := re.search(r"layers\.(\d+)\..*e_score_correction_bias$", name))}
+        self.router_biases = {int(m[1]): name for name in model.state_dict()  # LFM2's: `expert_bias`
+                              if (m := re.search(r"layers\.(\d+)\..*(e_score_correction|expert)_bias$", name))}
         self.kv_b = SplitKVB(config)
         self.shared_input = SplitSharedInput(model)
 
@@ -458,6 +461,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return granitemoe_config(reader)
     if arch == "qwen3next":
         return qwen3next_config(reader, arch_keys(reader, arch))
+    if arch == "lfm2moe":
+        return lfm2moe_config(reader, tensor_names)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -682,6 +687,26 @@ def granitemoe_config(reader) -> GraniteMoeConfig | GraniteMoeSharedConfig:
     if shared:
         return GraniteMoeSharedConfig(**common, shared_intermediate_size=int(shared))
     return GraniteMoeConfig(**common)
+
+
+def lfm2moe_config(reader, tensor_names: set[str]) -> Lfm2MoeConfig:
+    """LFM2's MoE models (e.g. LFM2-8B-A1B) from llama.cpp's `lfm2moe` keys: short-convolution layers where the file
+    gives no KV heads, attention layers elsewhere; dense layers first; a sigmoid router with its expert bias."""
+    key = arch_keys(reader, "lfm2moe")
+    kv_heads = key("attention.head_count_kv")
+    layers = int(key("block_count"))
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    dense = int(key("leading_dense_block_count", 0))
+    return Lfm2MoeConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")), moe_intermediate_size=int(key("expert_feed_forward_length")),
+        num_hidden_layers=layers, num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(max(kv_heads)), layer_types=["full_attention" if n else "conv" for n in kv_heads],
+        num_dense_layers=dense, num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+        norm_topk_prob=bool(key("expert_weights_norm", True)), routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+        use_expert_bias=f"blk.{dense}.exp_probs_b.bias" in tensor_names, conv_L_cache=int(key("shortconv.l_cache")),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1000000.0))})
 
 
 def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, original: int) -> dict[str, Any]:
