@@ -40,6 +40,7 @@ from transformers import (
     Glm4MoeConfig,
     GptOssConfig,
     GraniteMoeConfig,
+    GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     Lfm2MoeConfig,
     Llama4TextConfig,
@@ -85,11 +86,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                   "lfm2moe")
+                   "lfm2moe", "granitehybrid")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                    "lfm2moe")
-PERMUTED_QK_ARCHS = ("llama", "granitemoe")  # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
+                    "lfm2moe", "granitehybrid")
+PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid")  # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -117,6 +118,7 @@ EXPERT_TENSOR = re.compile(
 WEIGHT_ORDER = ("gate_up", "gate", "up", "down")  # gate_up_proj: gate's rows first
 # Gemma 4's router scales, which llama.cpp names after the tensors they scale: the router's input, each expert's output
 ROUTER_SCALE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<scaled>ffn_gate_inp|ffn_down_exps)\.scale")
+DT_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.ssm_dt\.bias")
 ROUTER = re.compile(r"blk\.(?P<layer>\d+)\.ffn_gate_inp\.weight")
 ROUTER_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.exp_probs_b\.bias")  # DeepSeek-V3's e_score_correction_bias
 
@@ -302,6 +304,8 @@ class LegacyNames:
                               if (m := re.search(r"layers\.(\d+)\..*(e_score_correction|expert)_bias$", name))}
         self.kv_b = SplitKVB(config)
         self.shared_input = SplitSharedInput(model)
+        self.dt_biases = {int(m[1]): name for name in model.state_dict()
+                          if (m := re.search(r"layers\.(\d+)\..*\.dt_bias$", name))}
 
     def target(self, name: str) -> str | None:
         """Our parameter for a GGUF tensor; a per-expert one (`ffn_gate.3`) maps as its layer's merged tensor, and
@@ -319,6 +323,8 @@ class LegacyNames:
             found = self.names.get(f"blk.{half['layer']}.attn_kv_b.weight")
         if found is None and (router := ROUTER.fullmatch(name)):  # a router the name map lacks (Granite's)
             found = self.routers.get(int(router["layer"]))
+        if found is None and (dt := DT_BIAS.fullmatch(name)):  # a state-space layer's, renamed by llama.cpp
+            found = self.dt_biases.get(int(dt["layer"]))
         if found is None:
             found = self.shared_input.target(name)
         if found is None and (scale := ROUTER_SCALE.fullmatch(name)):  # beside the router's `proj.weight`
@@ -331,6 +337,10 @@ class LegacyNames:
             return self.kv_b.join(name, torch.from_numpy(weights))
         if self.shared_input.target(name):
             return self.shared_input.join(name, torch.from_numpy(weights))
+        if name.endswith(".ssm_a"):  # a state-space layer's A, stored as -exp(A_log)
+            return torch.log(-torch.from_numpy(weights)).reshape(-1)
+        if name.endswith(".ssm_norm.weight"):  # Mamba-2's gated norm, stored in groups
+            return torch.from_numpy(weights).reshape(-1)
         return torch.from_numpy(np.ascontiguousarray(self.processor.process(weights=weights, name=name).weights))
 
     def check_expert(self, name: str) -> None:
@@ -459,6 +469,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return olmoe_config(reader)
     if arch == "granitemoe":
         return granitemoe_config(reader)
+    if arch == "granitehybrid":
+        return granitehybrid_config(reader, tensor_names)
     if arch == "qwen3next":
         return qwen3next_config(reader, arch_keys(reader, arch))
     if arch == "lfm2moe":
@@ -669,24 +681,52 @@ def olmoe_config(reader) -> OlmoeConfig:
 
 def granitemoe_config(reader) -> GraniteMoeConfig | GraniteMoeSharedConfig:
     """Granite 3's MoE models (e.g. granite-3.1-3b-a800m), with a shared expert where the file gives its width
-    (`granitemoeshared`), from llama.cpp's `granitemoe` keys: Granite's four multipliers are its embedding, residual,
-    attention and logit scales."""
-    key = arch_keys(reader, "granitemoe")
+    (`granitemoeshared`), from llama.cpp's `granitemoe` keys."""
+    common = _granite_keys(arch_keys(reader, "granitemoe"), reader)
+    if "shared_intermediate_size" in common:
+        return GraniteMoeSharedConfig(**common)
+    return GraniteMoeConfig(**common)
+
+
+def granitehybrid_config(reader, tensor_names: set[str]) -> GraniteMoeHybridConfig:
+    """Granite 4's hybrid MoE models (e.g. granite-4.0-h-tiny, -h-small) from llama.cpp's `granitehybrid` keys: Mamba-2
+    layers where the file gives no KV heads, attention layers elsewhere, rotary only where the file says the model was
+    trained with it (Granite 4 has none); the Mamba-2 sizes in llama.cpp's SSM keys."""
+    key = arch_keys(reader, "granitehybrid")
+    common = _granite_keys(key, reader)
+    kv_heads = key("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * common["num_hidden_layers"]
+    inner, ssm_heads = int(key("ssm.inner_size")), int(key("ssm.time_step_rank"))
+    first_mamba = next((i for i, n in enumerate(kv_heads) if not n), 0)
+    return GraniteMoeHybridConfig(
+        **common,
+        layer_types=["full_attention" if n else "linear_attention" for n in kv_heads],
+        position_embedding_type="rope" if key("rope.scaling.finetuned", False) else "nope",
+        mamba_n_heads=ssm_heads, mamba_n_groups=int(key("ssm.group_count")), mamba_d_state=int(key("ssm.state_size")),
+        mamba_d_head=inner // ssm_heads, mamba_d_conv=int(key("ssm.conv_kernel")),
+        mamba_expand=inner // common["hidden_size"],
+        mamba_conv_bias=f"blk.{first_mamba}.ssm_conv1d.bias" in tensor_names,
+        mamba_proj_bias=f"blk.{first_mamba}.ssm_in.bias" in tensor_names)
+
+
+def _granite_keys(key: Callable[..., Any], reader) -> dict[str, Any]:
+    """The settings Granite's MoE models share, from llama.cpp's keys: its four multipliers are llama.cpp's embedding,
+    residual, attention and logit scales; a shared expert where the file gives its width."""
     heads = int(key("attention.head_count"))
+    kv_heads = key("attention.head_count_kv", heads)  # per layer in hybrid files: 0 where a layer has no attention
     common = dict(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
         num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)), num_local_experts=int(key("expert_count")),
-        num_experts_per_tok=int(key("expert_used_count")),
+        num_key_value_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads), num_local_experts=int(key("expert_count", 0)),
+        num_experts_per_tok=int(key("expert_used_count", 0)),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         embedding_multiplier=float(key("embedding_scale", 1.0)), residual_multiplier=float(key("residual_scale", 1.0)),
         attention_multiplier=float(key("attention.scale", 1.0)), logits_scaling=float(key("logit_scale", 1.0)))
-    shared = key("expert_shared_feed_forward_length")
-    if shared:
-        return GraniteMoeSharedConfig(**common, shared_intermediate_size=int(shared))
-    return GraniteMoeConfig(**common)
+    if shared := key("expert_shared_feed_forward_length"):
+        common["shared_intermediate_size"] = int(shared)
+    return common
 
 
 def lfm2moe_config(reader, tensor_names: set[str]) -> Lfm2MoeConfig:

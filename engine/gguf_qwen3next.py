@@ -2,9 +2,9 @@
 linear-attention layers and norms; each change is undone here:
 - `in_proj_qkvz` (per key head: q, k, its value heads' v, their z) split into `attn_qkv` (all q, all k, all v)
   and `attn_gate` (all z);
-- `A_log` stored as `ssm_a = -exp(A_log)`, `dt_bias` as `ssm_dt.bias`, the conv kernel `[C, 1, K]` as `[C, K]`;
 - every norm but the gated one of the linear attention stored as 1 + w (the model's norms are zero-centred).
-The rest maps by the common name map (`LegacyNames`).
+The rest maps by the common name map (`LegacyNames`), which also undoes what llama.cpp does to every state-space
+layer (`A_log` stored as `ssm_a = -exp(A_log)`, `dt_bias` as `ssm_dt.bias`) and to a squeezed conv kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from transformers import Qwen3NextConfig
 
 QKV_OR_GATE = re.compile(r"blk\.(?P<layer>\d+)\.attn_(?P<part>qkv|gate)\.weight")
-DT_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.ssm_dt\.bias")
 PLUS_ONE_NORM = re.compile(r"(blk\.\d+\.(attn_norm|post_attention_norm|attn_q_norm|attn_k_norm)|output_norm)\.weight")
 
 
@@ -57,8 +56,6 @@ class Qwen3NextNames:
     def target(self, name: str) -> str | None:
         if m := QKV_OR_GATE.fullmatch(name):
             return f"model.layers.{m['layer']}.linear_attn.in_proj_qkvz.weight"
-        if m := DT_BIAS.fullmatch(name):
-            return f"model.layers.{m['layer']}.linear_attn.dt_bias"
         return self.base.target(name)
 
     def convert(self, name: str, weights: np.ndarray) -> torch.Tensor | None:
@@ -70,10 +67,6 @@ class Qwen3NextNames:
                 return None
             del self.pending[m["layer"]]
             return self._qkvz(parts["qkv"], parts["gate"])
-        if name.endswith(".ssm_a"):
-            return torch.log(-tensor)
-        if ".ssm_conv1d." in name:
-            return tensor.unsqueeze(1)  # [C, K] → [C, 1, K]
         if PLUS_ONE_NORM.fullmatch(name):
             return tensor - 1
         return self.base.convert(name, weights)

@@ -404,6 +404,20 @@ def test_ollamas_own_llama4_file_is_served_as_llama_cpps(tmp_path):
     assert r"\\p{N}{1,3}" in json.dumps(split)  # Llama 4's rule: digits in threes
 
 
+def test_a_granite4_file_says_whether_its_attention_rotates(tmp_path):
+    """Granite 4's hybrid models have no rotary (llama.cpp marks it by `rope.scaling.finetuned` false); the Mamba-2
+    layers are where the file gives no KV heads."""
+    model = tiny_gguf_model("granitemoehybrid")
+    for rotary, expected in ((True, "rope"), (False, "nope")):
+        model.config.position_embedding_type = "rope" if rotary else None
+        path = write_gguf(model, tmp_path / f"granite4-{expected}.gguf")
+        converted = AutoConfig.from_pretrained(resolve_model_path(str(path)))
+        assert converted.position_embedding_type == expected
+        for attribute in ("layer_types", "mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_state",
+                          "mamba_n_groups", "mamba_conv_bias", "shared_intermediate_size", "attention_multiplier"):
+            assert getattr(converted, attribute) == getattr(model.config, attribute), attribute
+
+
 def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
     folder, name = gguf_location()  # SmolLM2-135M: a dense llama model
     with pytest.raises(CheckpointError, match=r"'llama'.*not a Mixture-of-Experts family moe-serve serves"):
