@@ -43,6 +43,7 @@ FORMATS = {
     "gemma4": ("qwen3_moe", "gemma4", tool_templates.GEMMA4_TOOLS_TEMPLATE, "<|tool_call>"),
     "llama4": ("qwen3_moe", "llama4", tool_templates.LLAMA4_TOOLS_TEMPLATE, None),  # plain JSON: no marker token
     "granite": ("qwen3_moe", "granite", tool_templates.GRANITE_TOOLS_TEMPLATE, "<|tool_call|>"),
+    "lfm2": ("qwen3_moe", "lfm2", tool_templates.LFM2_TOOLS_TEMPLATE, "<|tool_call_start|>"),
 }
 
 

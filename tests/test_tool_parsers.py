@@ -183,6 +183,13 @@ CASES = [
      '"arguments": {}}, 3]', []),
     ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
      '"arguments": {}}]', "", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    # LFM2: a Python list of calls between two special tokens; a JSON list between them too
+    ("lfm2", 'Sure.<|tool_call_start|>[get_weather(city="Paris", days=2), get_time()]<|tool_call_end|>', "Sure.",
+     [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("lfm2", '<|tool_call_start|>[{"name": "get_time", "arguments": {}}]<|tool_call_end|>', "", [("get_time", {})]),
+    ("lfm2", '<|tool_call_start|>[get_weather(city=Paris)]<|tool_call_end|> then', '<|tool_call_start|>'
+     '[get_weather(city=Paris)]<|tool_call_end|> then', []),  # a bare name: text
+    ("lfm2", '<|tool_call_start|>[get_weather(city="Par', '<|tool_call_start|>[get_weather(city="Par', []),
     # Llama 4: JSON as its shipped template asks (the <|python_start|> tokens around it are dropped by the
     # decoder), and the Python-style list of Meta's prompt format
     ("llama4", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "",
@@ -282,6 +289,8 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }}", "llama4_text", "llama4"),
     ("{{ tools }} respond with <|tool_call|> followed by a JSON list", "granitemoe", "granite"),
     ("{{ tools }}", "granitemoeshared", "granite"),
+    ("List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>", "qwen3_moe", "lfm2"),
+    ("{{ tools }}", "lfm2_moe", "lfm2"),
     ("{{ tools }}", "qwen2_moe", "hermes"),
     ("{{ tools }}", "olmoe", None),
 ])

@@ -11,6 +11,7 @@ from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.harmony import HarmonyParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.kimi_k2 import KimiK2Parser
+from server.tool_parsers.lfm2 import Lfm2Parser
 from server.tool_parsers.llama4 import Llama4Parser
 from server.tool_parsers.minimax_m2 import MiniMaxM2Parser
 from server.tool_parsers.mistral import MistralParser
@@ -19,7 +20,8 @@ from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser, Qwen3CoderParser,
-                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser, Llama4Parser, GraniteParser)
+                        MiniMaxM2Parser, KimiK2Parser, Gemma4Parser, Llama4Parser, GraniteParser,
+                        Lfm2Parser)
 }
 PARSER_NAMES = ("auto", *PARSERS)
 
@@ -30,6 +32,8 @@ _TEMPLATE_SIGNS = (
     ("<minimax:tool_call>", "minimax_m2"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
     ("<|tool_call|>", "granite"),
+    ("<|tool_call_start|>", "lfm2"),
+    ("<|tool_list_start|>", "lfm2"),
     ("<|tool_call>", "gemma4"),  # not inside `<tool_call>`, yet kept before it
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
@@ -44,7 +48,7 @@ _MODEL_TYPES = {
     "glm4_moe": "glm45", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder",
     "nemotron_h": "qwen3_coder", "minimax_m2": "minimax_m2", "kimi_k2": "kimi_k2", "kimi_linear": "kimi_k2",
     "gemma4": "gemma4", "gemma4_text": "gemma4", "llama4": "llama4", "llama4_text": "llama4",
-    "granite": "granite", "granitemoe": "granite", "granitemoeshared": "granite",
+    "granite": "granite", "granitemoe": "granite", "granitemoeshared": "granite", "lfm2": "lfm2", "lfm2_moe": "lfm2",
 }
 
 

@@ -114,6 +114,18 @@ def parameter_rules(function: dict, pair_rule: Callable[[str, dict], str]) -> li
             for key, spec in (schema.get("properties") or {}).items()]
 
 
+def ordered_pairs(pairs: list[str], required: list[bool]) -> str | None:
+    """A Lark body for `pairs` (rule pieces, one per declared key) in their order, comma-separated, each optional one
+    left out at will; None where there are none. The first pair written is any up to the first required one."""
+    firsts = []
+    for j, pair in enumerate(pairs):
+        rest = [f'"," {p}' if required[k] else f'("," {p})?' for k, p in enumerate(pairs) if k > j]
+        firsts.append(" ".join([pair, *rest]))
+        if required[j]:
+            break
+    return " | ".join(f"({f})" for f in firsts) or None
+
+
 def arguments_rule(function: dict) -> str:
     """A Lark rule body for a call's arguments as JSON: valid under the function's `parameters`."""
     return json_rule(parameters_schema(function))

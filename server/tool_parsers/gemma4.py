@@ -22,6 +22,7 @@ from server.tool_parsers.base import (
     functions,
     json_rule,
     malformed,
+    ordered_pairs,
     parameters_schema,
 )
 
@@ -181,16 +182,9 @@ class _Rules:
         keys = list(properties)
         pairs = [f'{json.dumps(key + ":", ensure_ascii=False)} {self.value(properties[key], f"{name}_{k}")}'
                  for k, key in enumerate(keys)]
-        # the first pair written is any up to the first required one; a comma goes before each one after it
-        firsts = []
-        for j, pair in enumerate(pairs):
-            rest = [f'"," {p}' if keys[k] in required else f'("," {p})?' for k, p in enumerate(pairs) if k > j]
-            firsts.append(" ".join([pair, *rest]))
-            if keys[j] in required:
-                break
-        if not firsts:
+        inner = ordered_pairs(pairs, [key in required for key in keys])
+        if inner is None:
             return '"{}"'
-        inner = " | ".join(f"({f})" for f in firsts)
         return f'"{{" ({inner}){"" if required & set(keys) else "?"} "}}"'
 
     def generic(self) -> str:

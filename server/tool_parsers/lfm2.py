@@ -1,0 +1,59 @@
+"""LFM2 (dense and MoE, e.g. LFM2-8B-A1B): `<|tool_call_start|>[NAME(key="value", n=2), NAME2()]<|tool_call_end|>`, a
+Python list of calls between two special tokens (read by `pythonic`); a JSON list of `{"name", "arguments"}` objects
+between them, which LFM2 writes when its system prompt asks for JSON, is read too."""
+
+from __future__ import annotations
+
+import json
+
+from server.tool_parsers.base import (
+    Match,
+    ToolParser,
+    functions,
+    json_calls,
+    json_rule,
+    malformed,
+    ordered_pairs,
+    parameters_schema,
+)
+from server.tool_parsers.pythonic import python_calls
+
+OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+
+
+class Lfm2Parser(ToolParser):
+    name = "lfm2"
+    markers = (OPEN,)
+    needs_special_tokens = True
+
+    def match(self, text: str, final: bool) -> Match | None:
+        close = text.find(CLOSE)
+        if close < 0:
+            return malformed(text) if final else None
+        end = close + len(CLOSE)
+        body = text[len(OPEN): close].strip()
+        try:
+            return Match(end, python_calls(body))
+        except ValueError:
+            pass
+        read = json_calls(body, 0, final=True)
+        if read.calls and not body[read.end:].strip():
+            return Match(end, read.calls)
+        return malformed(text, end)
+
+    def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
+        """One call in the list form, its arguments in the schema's order as JSON values (which the form reads)."""
+        lines, calls = [], []
+        for i, function in enumerate(functions(tools, name)):
+            schema = parameters_schema(function)
+            properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            required = set(schema.get("required") or ())
+            pairs = []
+            for k, (key, spec) in enumerate(properties.items()):
+                lines.append(f"c{i}_v{k}: {json_rule(spec if isinstance(spec, dict) else {})}")
+                pairs.append(f'{json.dumps(key + "=")} c{i}_v{k}')
+            inner = ordered_pairs(pairs, [key in required for key in properties])
+            arguments = "" if inner is None else f" ({inner}){'' if required & set(properties) else '?'}"
+            calls.append(f'{json.dumps(function["name"] + "(")}{arguments} ")"')
+        return (f'start: {self.literal(OPEN)} "[" call "]" {self.literal(CLOSE)}\n'
+                f"call: {' | '.join(f'({c})' for c in calls)}\n" + "\n".join(lines) + "\n")
