@@ -84,6 +84,25 @@ class ToolParser:
         return None
 
 
+class BlockParser(ToolParser):
+    """A format whose calls sit in a block, from its marker to the first `closing` after it: a block is whole calls
+    or text, and one the output ends inside is text. Subclasses set `closing` and write `read_block`."""
+
+    closing: ClassVar[str]
+
+    def match(self, text: str, final: bool) -> Match | None:
+        close = text.find(self.closing)
+        if close < 0:
+            return malformed(text) if final else None
+        end = close + len(self.closing)
+        calls = self.read_block(text[len(self.markers[0]): close])
+        return Match(end, calls) if calls else malformed(text, end)
+
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
+        """The calls of one block's `body` (between its tags); None where it is not calls."""
+        raise NotImplementedError
+
+
 def call_schema(tools: list[dict], name: str | None, arguments_key: str = "arguments") -> dict:
     """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given);
     `arguments_key`: the format's name for the arguments."""

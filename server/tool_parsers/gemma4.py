@@ -14,14 +14,13 @@ from typing import Any
 
 from server.tool_parsers.base import (
     FUNCTION_NAME,
-    Match,
-    ToolParser,
+    BlockParser,
+    FunctionCall,
     bare_value,
     bare_value_rule,
     function_call,
     functions,
     json_rule,
-    malformed,
     ordered_pairs,
     parameters_schema,
 )
@@ -34,29 +33,25 @@ _SCALAR = re.compile(r"(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|tru
 _BLANK = re.compile(r"\s*")
 
 
-class Gemma4Parser(ToolParser):
+class Gemma4Parser(BlockParser):
     name = "gemma4"
     markers = (OPEN,)
+    closing = CLOSE
     needs_special_tokens = True
 
-    def match(self, text: str, final: bool) -> Match | None:
-        close = text.find(CLOSE)
-        if close < 0:
-            return malformed(text) if final else None
-        end = close + len(CLOSE)
-        body = text[len(OPEN): close]
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
         head = _HEAD.match(body)
         if not head or not FUNCTION_NAME.fullmatch(head.group(1)):
-            return malformed(text, end)
+            return None
         name = head.group(1)
         try:
             arguments, at = read_value(body, head.end(), self.parameter_types(name))
         except ValueError:
-            return malformed(text, end)
+            return None
         if body[at:].strip():  # nothing after the arguments
-            return malformed(text, end)
+            return None
         call = function_call(name, arguments)
-        return Match(end, (call,)) if call else malformed(text, end)
+        return (call,) if call else None
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         rules = _Rules(self.literal(QUOTE))

@@ -12,12 +12,11 @@ import re
 
 from server.tool_parsers.base import (
     FUNCTION_NAME,
-    Match,
-    ToolParser,
+    BlockParser,
+    FunctionCall,
     bare_value,
     bare_value_rule,
     function_call,
-    malformed,
     parameter_rules,
 )
 
@@ -26,26 +25,21 @@ KEY, END_KEY, VALUE, END_VALUE = "<arg_key>", "</arg_key>", "<arg_value>", "</ar
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-class Glm45Parser(ToolParser):
+class Glm45Parser(BlockParser):
     name = "glm45"
     markers = (OPEN,)
+    closing = CLOSE
     needs_special_tokens = True
 
-    def match(self, text: str, final: bool) -> Match | None:
-        close = text.find(CLOSE)
-        if close < 0:
-            return malformed(text) if final else None
-        end = close + len(CLOSE)
-        body = text[len(OPEN): close]
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
         first = body.find("<arg_key>")
         name = (body if first < 0 else body[:first]).strip()
         pairs = _PAIR.findall(body)
         if not FUNCTION_NAME.fullmatch(name) or _PAIR.sub("", body).strip() != name:  # nothing else in the call
-            return malformed(text, end)
+            return None
         types = self.parameter_types(name)
-        arguments = {key.strip(): bare_value(value, types.get(key.strip())) for key, value in pairs}
-        call = function_call(name, arguments)
-        return Match(end, (call,)) if call else malformed(text, end)
+        call = function_call(name, {key.strip(): bare_value(value, types.get(key.strip())) for key, value in pairs})
+        return (call,) if call else None
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         return (f"start: {self.literal(OPEN)} call {self.literal(CLOSE)}\n" +

@@ -10,7 +10,12 @@ import dataclasses
 import json
 import re
 
-from server.tool_parsers.base import FunctionCall, Match, ToolParser, arguments_rule, function_call, malformed
+from server.tool_parsers.base import (
+    BlockParser,
+    FunctionCall,
+    arguments_rule,
+    function_call,
+)
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -19,21 +24,17 @@ _CALL = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(ARGUMENT_BEGIN) 
 _ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_.\-]+?)(?::\d+)?")
 
 
-class KimiK2Parser(ToolParser):
+class KimiK2Parser(BlockParser):
     name = "kimi_k2"
     markers = (SECTION_BEGIN,)
+    closing = SECTION_END
     needs_special_tokens = True
 
-    def match(self, text: str, final: bool) -> Match | None:
-        close = text.find(SECTION_END)
-        if close < 0:
-            return malformed(text) if final else None
-        end = close + len(SECTION_END)
-        section = text[len(SECTION_BEGIN): close]
-        calls = [_call(call_id.strip(), arguments) for call_id, arguments in _CALL.findall(section)]
-        if not calls or None in calls or _CALL.sub("", section).strip():
-            return malformed(text, end)
-        return Match(end, tuple(calls))
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
+        calls = [_call(call_id.strip(), arguments) for call_id, arguments in _CALL.findall(body)]
+        if not calls or None in calls or _CALL.sub("", body).strip():
+            return None
+        return tuple(calls)
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         head = " ".join(self.literal(t) for t in (SECTION_BEGIN, CALL_BEGIN))

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 from server.tool_parsers.base import (
-    Match,
-    ToolParser,
+    BlockParser,
+    FunctionCall,
     functions,
     json_calls,
     json_rule,
-    malformed,
     ordered_pairs,
     parameters_schema,
 )
@@ -21,25 +20,20 @@ from server.tool_parsers.pythonic import python_calls
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 
 
-class Lfm2Parser(ToolParser):
+class Lfm2Parser(BlockParser):
     name = "lfm2"
     markers = (OPEN,)
+    closing = CLOSE
     needs_special_tokens = True
 
-    def match(self, text: str, final: bool) -> Match | None:
-        close = text.find(CLOSE)
-        if close < 0:
-            return malformed(text) if final else None
-        end = close + len(CLOSE)
-        body = text[len(OPEN): close].strip()
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
+        body = body.strip()
         try:
-            return Match(end, python_calls(body))
+            return python_calls(body)
         except ValueError:
             pass
         read = json_calls(body, 0, final=True)
-        if read.calls and not body[read.end:].strip():
-            return Match(end, read.calls)
-        return malformed(text, end)
+        return read.calls if read.calls and not body[read.end:].strip() else None
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         """One call in the list form, its arguments in the schema's order as JSON values (which the form reads)."""

@@ -10,13 +10,11 @@ import re
 
 from server.tool_parsers.base import (
     FUNCTION_NAME,
+    BlockParser,
     FunctionCall,
-    Match,
-    ToolParser,
     bare_value,
     bare_value_rule,
     function_call,
-    malformed,
     parameter_rules,
 )
 from server.tool_parsers.qwen3_coder import tag_value
@@ -26,22 +24,17 @@ _INVOKE = re.compile(r'<invoke name=("?)([^">\n]*)\1\s*>(.*?)</invoke>', re.DOTA
 _PARAMETER = re.compile(r'<parameter name=("?)([^">\n]*)\1\s*>(.*?)</parameter>', re.DOTALL)
 
 
-class MiniMaxM2Parser(ToolParser):
+class MiniMaxM2Parser(BlockParser):
     name = "minimax_m2"
     markers = (OPEN,)
+    closing = CLOSE
     needs_special_tokens = True
 
-    def match(self, text: str, final: bool) -> Match | None:
-        close = text.find(CLOSE)
-        if close < 0:
-            return malformed(text) if final else None
-        end = close + len(CLOSE)
-        block = text[len(OPEN): close]
-        invokes = _INVOKE.findall(block)
-        calls = [self._call(name.strip(), body) for _, name, body in invokes]
-        if not calls or None in calls or _INVOKE.sub("", block).strip():
-            return malformed(text, end)
-        return Match(end, tuple(calls))
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
+        calls = [self._call(name.strip(), invoke) for _, name, invoke in _INVOKE.findall(body)]
+        if not calls or None in calls or _INVOKE.sub("", body).strip():
+            return None
+        return tuple(calls)
 
     def _call(self, name: str, body: str) -> FunctionCall | None:
         if not FUNCTION_NAME.fullmatch(name) or _PARAMETER.sub("", body).strip():

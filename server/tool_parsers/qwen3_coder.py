@@ -11,12 +11,11 @@ import re
 
 from server.tool_parsers.base import (
     FUNCTION_NAME,
-    Match,
-    ToolParser,
+    BlockParser,
+    FunctionCall,
     bare_value,
     bare_value_rule,
     function_call,
-    malformed,
     parameter_rules,
 )
 
@@ -25,26 +24,22 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 
 
-class Qwen3CoderParser(ToolParser):
+class Qwen3CoderParser(BlockParser):
     name = "qwen3_coder"
     markers = (OPEN,)
+    closing = CLOSE
 
-    def match(self, text: str, final: bool) -> Match | None:
-        close = text.find(CLOSE)
-        if close < 0:
-            return malformed(text) if final else None
-        end = close + len(CLOSE)
-        function = _FUNCTION.fullmatch(text, len(OPEN), close)
+    def read_block(self, body: str) -> tuple[FunctionCall, ...] | None:
+        function = _FUNCTION.fullmatch(body)
         if not function or not FUNCTION_NAME.fullmatch(function.group(1).strip()):
-            return malformed(text, end)
-        name, body = function.group(1).strip(), function.group(2)
-        if _PARAMETER.sub("", body).strip():  # nothing but parameters in the call
-            return malformed(text, end)
+            return None
+        name, parameters = function.group(1).strip(), function.group(2)
+        if _PARAMETER.sub("", parameters).strip():  # nothing but parameters in the call
+            return None
         types = self.parameter_types(name)
-        arguments = {key.strip(): bare_value(tag_value(value), types.get(key.strip()))
-                     for key, value in _PARAMETER.findall(body)}
-        call = function_call(name, arguments)
-        return Match(end, (call,)) if call else malformed(text, end)
+        call = function_call(name, {key.strip(): bare_value(tag_value(value), types.get(key.strip()))
+                                    for key, value in _PARAMETER.findall(parameters)})
+        return (call,) if call else None
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         return (f'start: {self.literal(OPEN)} "\\n" call "\\n" {self.literal(CLOSE)}\n' +
