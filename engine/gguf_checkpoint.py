@@ -85,12 +85,13 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # the GGUF architectures whose conversion is tested token for token (`llama`: Mixtral, a llama with experts;
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
-                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                   "lfm2moe", "granitehybrid")
+                   "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
+                   "qwen3next", "lfm2moe", "granitehybrid")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
                     "lfm2moe", "granitehybrid")
-PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid")  # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
+# llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
+PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid")
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -718,8 +719,8 @@ def _granite_keys(key: Callable[..., Any], reader) -> dict[str, Any]:
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
         num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads), num_local_experts=int(key("expert_count", 0)),
-        num_experts_per_tok=int(key("expert_used_count", 0)),
+        num_key_value_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
+        num_local_experts=int(key("expert_count", 0)), num_experts_per_tok=int(key("expert_used_count", 0)),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         embedding_multiplier=float(key("embedding_scale", 1.0)), residual_multiplier=float(key("residual_scale", 1.0)),
@@ -743,7 +744,8 @@ def lfm2moe_config(reader, tensor_names: set[str]) -> Lfm2MoeConfig:
         num_hidden_layers=layers, num_attention_heads=int(key("attention.head_count")),
         num_key_value_heads=int(max(kv_heads)), layer_types=["full_attention" if n else "conv" for n in kv_heads],
         num_dense_layers=dense, num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-        norm_topk_prob=bool(key("expert_weights_norm", True)), routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(key("expert_weights_norm", True)),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
         use_expert_bias=f"blk.{dense}.exp_probs_b.bias" in tensor_names, conv_L_cache=int(key("shortconv.l_cache")),
         norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1000000.0))})

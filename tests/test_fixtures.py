@@ -29,8 +29,8 @@ EOS = {"mixtral": ("</s>", 2), "qwen": ("<|im_end|>", 151645), "deepseek": ("<�
        "qwen3_coder": ("<|im_end|>", 151645), "minimax_m2": ("[e~[", 151648), "kimi_k2": ("<|im_end|>", 151645),
        "gemma4": ("<turn|>", 151647), "llama4": ("<|eot|>", 151649),
        "granite": ("<|end_of_text|>", 151648), "lfm2": ("<|im_end|>", 151645)}
-# the harmony, glm45, qwen3_coder, minimax_m2, kimi_k2, gemma4, llama4, granite and lfm2 kinds are the Qwen vocabulary plus those families'
-# tokens; their chat templates come with the tool-calling tests (tests/fixtures/tool_templates.py,
+# the harmony, glm45, qwen3_coder, minimax_m2, kimi_k2, gemma4, llama4, granite and lfm2 kinds are the Qwen vocabulary
+# plus those families' tokens; their chat templates come with the tool-calling tests (tests/fixtures/tool_templates.py,
 # tests/test_forced_calls.py)
 GENERATION_PROMPT = {"mixtral": "[/INST]", "qwen": "<|im_start|>assistant\n", "deepseek": "<｜Assistant｜>",
                      "mistral_v3": "[/INST]"}
