@@ -289,6 +289,7 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }}", "llama4_text", "llama4"),
     ("{{ tools }} respond with <|tool_call|> followed by a JSON list", "granitemoe", "granite"),
     ("{{ tools }}", "granitemoeshared", "granite"),
+    ("{{ tools }}", "granitemoehybrid", "hermes"),
     ("List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>", "qwen3_moe", "lfm2"),
     ("{{ tools }}", "lfm2_moe", "lfm2"),
     ("{{ tools }}", "qwen2_moe", "hermes"),

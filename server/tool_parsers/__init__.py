@@ -49,6 +49,7 @@ _MODEL_TYPES = {
     "nemotron_h": "qwen3_coder", "minimax_m2": "minimax_m2", "kimi_k2": "kimi_k2", "kimi_linear": "kimi_k2",
     "gemma4": "gemma4", "gemma4_text": "gemma4", "llama4": "llama4", "llama4_text": "llama4",
     "granite": "granite", "granitemoe": "granite", "granitemoeshared": "granite", "lfm2": "lfm2", "lfm2_moe": "lfm2",
+    "granitemoehybrid": "hermes",  # Granite 4 writes Qwen's <tool_call> blocks
 }
 
 
