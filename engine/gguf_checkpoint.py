@@ -42,6 +42,7 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    HunYuanMoEV1Config,
     Lfm2MoeConfig,
     Llama4TextConfig,
     MixtralConfig,
@@ -86,10 +87,10 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
-                   "qwen3next", "lfm2moe", "granitehybrid")
+                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                    "lfm2moe", "granitehybrid")
+                    "lfm2moe", "granitehybrid", "hunyuan-moe")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid")
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
@@ -476,6 +477,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return qwen3next_config(reader, arch_keys(reader, arch))
     if arch == "lfm2moe":
         return lfm2moe_config(reader, tensor_names)
+    if arch == "hunyuan-moe":
+        return hunyuan_moe_config(reader)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -749,6 +752,22 @@ def lfm2moe_config(reader, tensor_names: set[str]) -> Lfm2MoeConfig:
         use_expert_bias=f"blk.{dense}.exp_probs_b.bias" in tensor_names, conv_L_cache=int(key("shortconv.l_cache")),
         norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1000000.0))})
+
+
+def hunyuan_moe_config(reader) -> HunYuanMoEV1Config:
+    """Hunyuan-A13B from llama.cpp's `hunyuan-moe` keys: its NTK-alpha rotary is written as the base it scales to
+    (`rope.freq_base`), which transformers' rotary then takes as it is; experts and the shared expert one width."""
+    key = arch_keys(reader, "hunyuan-moe")
+    heads = int(key("attention.head_count"))
+    return HunYuanMoEV1Config(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", int(key("embedding_length")) // heads)),
+        num_experts=int(key("expert_count")), moe_topk=int(key("expert_used_count")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))},
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
 
 
 def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, original: int) -> dict[str, Any]:
