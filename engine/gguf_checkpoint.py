@@ -778,6 +778,9 @@ def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, 
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inverse = theta ** -(np.arange(0, head_dim, 2) / head_dim)
+    if factors.shape != inverse.shape:
+        raise CheckpointError(f"{source}: `rope_freqs` holds {factors.size} factors, the model's heads rotate "
+                              f"{inverse.size} pairs")
     x = original * inverse / (2 * np.pi)  # the context over each wavelength: falls along the head
     factor = float(factors.max())
     if np.isclose(factor, 1.0):

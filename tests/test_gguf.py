@@ -387,6 +387,8 @@ def test_llama3_rotary_scaling_is_rebuilt_from_its_factors(head_dim, rope):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     with pytest.raises(CheckpointError, match="not Llama 3's scaling"):  # factors of another kind
         gguf_checkpoint.llama3_rope(tmp, 500000.0, head_dim, factors[::-1].copy(), 8192)
+    with pytest.raises(CheckpointError, match="factors, the model's heads rotate"):  # for another head size
+        gguf_checkpoint.llama3_rope(tmp, 500000.0, head_dim, factors[1:], 8192)
 
 
 def test_ollamas_own_llama4_file_is_served_as_llama_cpps(tmp_path):
