@@ -43,6 +43,7 @@ from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     HunYuanMoEV1Config,
+    JambaConfig,
     Lfm2MoeConfig,
     Llama4TextConfig,
     MixtralConfig,
@@ -87,10 +88,10 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
-                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe")
+                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                    "lfm2moe", "granitehybrid", "hunyuan-moe")
+                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid")
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
@@ -339,8 +340,8 @@ class LegacyNames:
             return self.kv_b.join(name, torch.from_numpy(weights))
         if self.shared_input.target(name):
             return self.shared_input.join(name, torch.from_numpy(weights))
-        if name.endswith(".ssm_a"):  # a state-space layer's A, stored as -exp(A_log)
-            return torch.log(-torch.from_numpy(weights)).reshape(-1)
+        if name.endswith(".ssm_a"):  # a state-space layer's A, stored as -exp(A_log) (Mamba-2's as [H, 1])
+            return torch.log(-torch.from_numpy(weights))
         if name.endswith(".ssm_norm.weight"):  # Mamba-2's gated norm, stored in groups
             return torch.from_numpy(weights).reshape(-1)
         return torch.from_numpy(np.ascontiguousarray(self.processor.process(weights=weights, name=name).weights))
@@ -479,6 +480,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return lfm2moe_config(reader, tensor_names)
     if arch == "hunyuan-moe":
         return hunyuan_moe_config(reader)
+    if arch == "jamba":
+        return jamba_config(source, reader, tensor_names)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -768,6 +771,45 @@ def hunyuan_moe_config(reader) -> HunYuanMoEV1Config:
         num_experts=int(key("expert_count")), moe_topk=int(key("expert_used_count")),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))},
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+
+
+def jamba_config(source: Path, reader, tensor_names: set[str]) -> JambaConfig:
+    """Jamba (e.g. AI21-Jamba-Mini-1.7) from llama.cpp's `jamba` keys: attention layers where the file gives KV heads,
+    Mamba layers elsewhere; MoE layers where it holds a router. Jamba repeats both every so many layers, which is all
+    its config can say: another pattern is refused."""
+    key = arch_keys(reader, "jamba")
+    layers, hidden = int(key("block_count")), int(key("embedding_length"))
+    kv_heads = key("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    attention = [i for i, n in enumerate(kv_heads) if n]
+    moe = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
+    attn_offset, attn_period = _every(source, "attention", attention, layers)
+    expert_offset, expert_period = _every(source, "MoE", moe, layers)
+    first_mamba = next((i for i, n in enumerate(kv_heads) if not n), 0)
+    return JambaConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=layers,
+        num_attention_heads=int(key("attention.head_count")), num_key_value_heads=int(max(kv_heads)),
+        num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
+        attn_layer_offset=attn_offset, attn_layer_period=attn_period, expert_layer_offset=expert_offset,
+        expert_layer_period=expert_period, mamba_d_state=int(key("ssm.state_size")),
+        mamba_d_conv=int(key("ssm.conv_kernel")), mamba_expand=int(key("ssm.inner_size")) // hidden,
+        mamba_dt_rank=int(key("ssm.time_step_rank")),
+        mamba_conv_bias=f"blk.{first_mamba}.ssm_conv1d.bias" in tensor_names,
+        mamba_proj_bias=f"blk.{first_mamba}.ssm_in.bias" in tensor_names)
+
+
+def _every(source: Path, kind: str, indices: list[int], layers: int) -> tuple[int, int]:
+    """The (offset, period) that gives the layer `indices`; a CheckpointError where none does."""
+    if not indices:
+        raise CheckpointError(f"{source}: a Jamba file with no {kind} layer, which its config cannot describe")
+    offset = indices[0]
+    period = indices[1] - offset if len(indices) > 1 else layers
+    if indices != list(range(offset, layers, period)):
+        raise CheckpointError(f"{source}: its {kind} layers {indices} do not repeat at one period, which is all "
+                              f"Jamba's config can describe")
+    return offset, period
 
 
 def llama3_rope(source: Path, theta: float, head_dim: int, factors: np.ndarray, original: int) -> dict[str, Any]:

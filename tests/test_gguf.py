@@ -420,6 +420,16 @@ def test_a_granite4_file_says_whether_its_attention_rotates(tmp_path):
             assert getattr(converted, attribute) == getattr(model.config, attribute), attribute
 
 
+def test_jambas_layer_pattern_is_read_from_where_the_file_has_attention_and_routers():
+    """Jamba's config says which layers are attention and MoE only as an offset and a period; the file says it layer by
+    layer (KV heads, routers), and a pattern no period gives is refused."""
+    source = gguf_checkpoint.Path("jamba.gguf")
+    assert gguf_checkpoint._every(source, "MoE", [1, 3, 5, 7], 8) == (1, 2)
+    assert gguf_checkpoint._every(source, "attention", [4], 8) == (4, 8)  # Jamba Mini: one in eight
+    with pytest.raises(CheckpointError, match=r"MoE layers \[1, 2, 5\] do not repeat"):
+        gguf_checkpoint._every(source, "MoE", [1, 2, 5], 8)
+
+
 def test_a_dense_gguf_is_refused_by_its_architecture(own_state_dir):
     folder, name = gguf_location()  # SmolLM2-135M: a dense llama model
     with pytest.raises(CheckpointError, match=r"'llama'.*not a Mixture-of-Experts family moe-serve serves"):
@@ -438,7 +448,7 @@ def test_a_dense_gemma4_file_is_refused_as_dense(tmp_path, own_state_dir):
 
 
 @pytest.mark.parametrize("arch, says", [
-    ("jamba", "GGUF architecture 'jamba' is not one moe-serve converts"),
+    ("bailingmoe2", "GGUF architecture 'bailingmoe2' is not one moe-serve converts"),
 ])
 def test_an_architecture_not_converted_is_refused_by_name(arch, says, tmp_path, own_state_dir):
     writer = gguf.GGUFWriter(tmp_path / "other.gguf", arch)
