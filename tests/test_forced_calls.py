@@ -44,6 +44,7 @@ FORMATS = {
     "llama4": ("qwen3_moe", "llama4", tool_templates.LLAMA4_TOOLS_TEMPLATE, None),  # plain JSON: no marker token
     "granite": ("qwen3_moe", "granite", tool_templates.GRANITE_TOOLS_TEMPLATE, "<|tool_call|>"),
     "lfm2": ("qwen3_moe", "lfm2", tool_templates.LFM2_TOOLS_TEMPLATE, "<|tool_call_start|>"),
+    "hunyuan": ("qwen3_moe", "qwen", tool_templates.HUNYUAN_TOOLS_TEMPLATE, None),  # its tags as plain text here
 }
 
 

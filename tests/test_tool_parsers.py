@@ -190,6 +190,13 @@ CASES = [
     ("lfm2", '<|tool_call_start|>[get_weather(city=Paris)]<|tool_call_end|> then', '<|tool_call_start|>'
      '[get_weather(city=Paris)]<|tool_call_end|> then', []),  # a bare name: text
     ("lfm2", '<|tool_call_start|>[get_weather(city="Par', '<|tool_call_start|>[get_weather(city="Par', []),
+    # Hunyuan-A13B: a JSON list in a <tool_calls> block
+    ("hunyuan", 'I will check.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": '
+     '"get_time", "arguments": {}}]</tool_calls>', "I will check.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("hunyuan", '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Par', '<tool_calls>[{"name": '
+     '"get_weather", "arguments": {"city": "Par', []),
+    ("hunyuan", '<tool_calls>[{"name": "get_time"}] and more</tool_calls>', '<tool_calls>[{"name": "get_time"}] and '
+     'more</tool_calls>', []),
     # Llama 4: JSON as its shipped template asks (the <|python_start|> tokens around it are dropped by the
     # decoder), and the Python-style list of Meta's prompt format
     ("llama4", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "",
@@ -290,6 +297,8 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("{{ tools }} respond with <|tool_call|> followed by a JSON list", "granitemoe", "granite"),
     ("{{ tools }}", "granitemoeshared", "granite"),
     ("{{ tools }}", "granitemoehybrid", "hermes"),
+    ("{{ tools }} <tool_calls>[{{ call | tojson }}]</tool_calls> <tool_call>", "qwen3_moe", "hunyuan"),
+    ("{{ tools }}", "hunyuan_v1_moe", "hunyuan"),
     ("List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>", "qwen3_moe", "lfm2"),
     ("{{ tools }}", "lfm2_moe", "lfm2"),
     ("{{ tools }}", "qwen2_moe", "hermes"),

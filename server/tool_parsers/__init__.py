@@ -10,6 +10,7 @@ from server.tool_parsers.glm45 import Glm45Parser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.harmony import HarmonyParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.hunyuan import HunyuanParser
 from server.tool_parsers.kimi_k2 import KimiK2Parser
 from server.tool_parsers.lfm2 import Lfm2Parser
 from server.tool_parsers.llama4 import Llama4Parser
@@ -21,7 +22,7 @@ from server.tool_parsers.stream import Piece, ToolCall, ToolCallStream
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, MistralParser, DeepSeekV3Parser, HarmonyParser, Glm45Parser, Qwen3CoderParser,
                         MiniMaxM2Parser, KimiK2Parser, Gemma4Parser, Llama4Parser, GraniteParser,
-                        Lfm2Parser)
+                        Lfm2Parser, HunyuanParser)
 }
 PARSER_NAMES = ("auto", *PARSERS)
 
@@ -35,6 +36,7 @@ _TEMPLATE_SIGNS = (
     ("<|tool_call_start|>", "lfm2"),
     ("<|tool_list_start|>", "lfm2"),
     ("<|tool_call>", "gemma4"),  # not inside `<tool_call>`, yet kept before it
+    ("<tool_calls>", "hunyuan"),  # holds `<tool_call`: before hermes
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("tool▁call▁begin", "deepseek_v3"),
@@ -50,6 +52,7 @@ _MODEL_TYPES = {
     "gemma4": "gemma4", "gemma4_text": "gemma4", "llama4": "llama4", "llama4_text": "llama4",
     "granite": "granite", "granitemoe": "granite", "granitemoeshared": "granite", "lfm2": "lfm2", "lfm2_moe": "lfm2",
     "granitemoehybrid": "hermes",  # Granite 4 writes Qwen's <tool_call> blocks
+    "hunyuan_v1_moe": "hunyuan",
 }
 
 
