@@ -7,6 +7,8 @@ Three formats:
   that the output begins inside it.
 - `gemma4` (Gemma 4): the same with a `<|channel>thought\n…<channel|>` block, its `thought` label
   not part of the reasoning.
+- `hunyuan` (Hunyuan-A13B): a `<think>` block, then the answer wrapped in `<answer>…</answer>`, tags
+  that are not part of it.
 - `harmony` (GPT-OSS): a run of channel messages, `<|channel|>NAME<|message|>BODY<|end|>`. The
   `analysis` channel is reasoning; `final` and preambles are the answer; a message to a function is
   a tool call, passed on whole to the tool-call parser (`server.tool_parsers.harmony`).
@@ -25,11 +27,15 @@ from engine.api import ChatTemplateInfo, SamplingParams
 from server.tool_parsers import Piece, ToolCallStream
 from server.tool_parsers.stream import first_marker, partial_marker
 
-REASONING_PARSERS = ("auto", "none", "think", "harmony", "gemma4")
+REASONING_PARSERS = ("auto", "none", "think", "harmony", "gemma4", "hunyuan")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL = "<|channel>", "<channel|>", "thought"  # not harmony's <|channel|>
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
-BLOCK_MARKERS = {"think": (THINK_OPEN, THINK_CLOSE), "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE)}  # a block up front
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # Hunyuan-A13B's wrapper around the answer
+HUNYUAN_MODEL_TYPES = ("hunyuan_v1_moe",)
+# a block up front
+BLOCK_MARKERS = {"think": (THINK_OPEN, THINK_CLOSE), "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE),
+                 "hunyuan": (THINK_OPEN, THINK_CLOSE)}
 MESSAGE = "<|message|>"
 HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
 PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
@@ -53,6 +59,8 @@ def detect_reasoning(info: ChatTemplateInfo) -> str | None:
         return "harmony"
     if GEMMA4_OPEN in info.source or GEMMA4_CLOSE in info.source or info.model_type in GEMMA4_MODEL_TYPES:
         return "gemma4"
+    if ANSWER_OPEN in info.source and THINK_OPEN in info.source or info.model_type in HUNYUAN_MODEL_TYPES:
+        return "hunyuan"
     if THINK_OPEN in info.source or THINK_CLOSE in info.source:
         return "think"
     return None
@@ -77,13 +85,16 @@ class _TextReader:
 
 class ThinkStream(_TextReader):
     """A thinking block at the start of the output, `<think>…</think>` unless other markers are given;
-    `label`: a word the block opens with that names it (Gemma 4's `thought`), not part of the thinking."""
+    `label`: a word the block opens with that names it (Gemma 4's `thought`), not part of the thinking;
+    `wrapped`: the answer's tags (Hunyuan's `<answer>…</answer>`), dropped with the blanks next to them."""
 
     def __init__(self, opened_in_prompt: bool, open_marker: str = THINK_OPEN, close_marker: str = THINK_CLOSE,
-                 label: str = "") -> None:
+                 label: str = "", wrapped: tuple[str, str] | None = None) -> None:
         super().__init__()
         self._state = "reasoning-start" if opened_in_prompt else "start"
         self._open, self._close, self._label = open_marker, close_marker, label
+        self._wrapped = wrapped
+        self._closed = False  # the wrapped answer's closing tag has come
 
     def finish(self) -> list[Part]:
         out = self._drain(final=True)
@@ -100,7 +111,7 @@ class ThinkStream(_TextReader):
             elif self._open.startswith(head) and not final:
                 return out  # blanks, or the start of `<think>`: not decided yet
             else:
-                self._state = "answer"
+                self._state = "answer-start" if self._wrapped else "answer"  # a wrapped one may open at once
         if self._state == "reasoning-start" and self._label:
             label = self._read_label(final)
             if label is None:
@@ -123,12 +134,32 @@ class ThinkStream(_TextReader):
             self._buffer, self._state = self._buffer[end + len(self._close):], "answer-start"
         if self._state == "answer-start":  # so are the blanks between `</think>` and the answer
             self._buffer = self._buffer.lstrip()
+            if self._wrapped and self._buffer.startswith(self._wrapped[0]):
+                self._buffer = self._buffer[len(self._wrapped[0]):].lstrip()
+            elif self._wrapped and self._wrapped[0].startswith(self._buffer) and not final:
+                return out  # maybe the start of `<answer>`
             if self._buffer:
                 self._state = "answer"
         if self._state == "answer" and self._buffer:
+            self._answer(out, final)
+        return out
+
+    def _answer(self, out: list[Part], final: bool) -> None:
+        """The answer read so far; a wrapped one without its closing tag and the blanks before it (held back
+        where more may come)."""
+        if not self._wrapped:
             out.append(self._buffer)
             self._buffer = ""
-        return out
+            return
+        close = self._wrapped[1]
+        keep = 0 if final else partial_marker(self._buffer, (close,))
+        head = self._buffer[: len(self._buffer) - keep]
+        self._closed = self._closed or close in head
+        text = head.replace(close, "")
+        ready = text if final and not self._closed else text.rstrip()
+        if ready:
+            out.append(ready)
+        self._buffer = "" if final else text[len(ready):] + self._buffer[len(self._buffer) - keep:]
 
     def _read_label(self, final: bool) -> int | None:
         """The length of the label at the start of the block (0: none there); None: not decided yet.
@@ -276,7 +307,7 @@ def _add_reasoning(out: list[Part], text: str) -> None:
 class ReasoningPlan:
     """How one response's output is read for reasoning."""
 
-    format: str | None = None  # "think", "harmony" or "gemma4"; None: the output is the answer as written
+    format: str | None = None  # "think", "harmony", "gemma4" or "hunyuan"; None: the answer as written
     opened_in_prompt: bool = False  # think, gemma4: the template opened the block, the output starts inside it
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
     grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
@@ -294,6 +325,8 @@ class ReasoningPlan:
             return HarmonyStream()
         if self.format == "gemma4":
             return ThinkStream(self.opened_in_prompt, GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL)
+        if self.format == "hunyuan":
+            return ThinkStream(self.opened_in_prompt, wrapped=(ANSWER_OPEN, ANSWER_CLOSE))
         return None
 
     def token_counter(self) -> ReasoningTokens | None:

@@ -71,6 +71,17 @@ CASES = [
     ("gemma4", False, "gemma4", f"<|channel>thought\nI need the weather.<channel|>{GEMMA4_CALL}",
      "I need the weather.", "", [("get_weather", {"city": "Paris"})]),
     ("gemma4", False, "gemma4", f"Sure.{GEMMA4_CALL}", "", "Sure.", [("get_weather", {"city": "Paris"})]),
+    # Hunyuan-A13B: its answer wrapped in tags that are not part of it
+    ("hunyuan", False, None, "<think>\nAdd two and two.\n</think>\n<answer>\nIt is **4**.\n</answer>",
+     "Add two and two.", "It is **4**.", []),
+    ("hunyuan", True, None, "Add.\n</think>\n<answer>\nLine one.\n\nLine two.\n</answer>\n", "Add.",
+     "Line one.\n\nLine two.", []),
+    ("hunyuan", False, None, "<answer>No thinking.</answer>", "", "No thinking.", []),
+    ("hunyuan", False, None, "Plain answer, trailing blank \n", "", "Plain answer, trailing blank \n", []),
+    ("hunyuan", False, None, "<think>Cut</think><answer>Half an ans", "Cut", "Half an ans", []),
+    ("hunyuan", False, None, "<answer>Use the </ans tag</answer>", "", "Use the </ans tag", []),
+    ("hunyuan", False, "hunyuan", '<think>Weather.</think>\n<answer>\n<tool_calls>[{"name": "get_weather", '
+     '"arguments": {"city": "Paris"}}]</tool_calls>\n</answer>', "Weather.", "", [("get_weather", {"city": "Paris"})]),
 ]
 
 
@@ -162,6 +173,8 @@ THINK_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %
     ("{{ '<|turn>model\n' }}", "gemma4", "gemma4"),
     ("{{ '<|turn>model\n' }}", "gemma4_text", "gemma4"),
     ("{{ '<|start|>assistant<|channel|>' }}", "gemma4", "harmony"),  # harmony's marker is not Gemma 4's
+    ("{{ '<think>\n' + thought + '\n</think>\n<answer>\n' + answer + '\n</answer>' }}", "qwen3_moe", "hunyuan"),
+    ("", "hunyuan_v1_moe", "hunyuan"),
 ])
 def test_the_format_is_detected_from_the_template_else_the_model_type(source, model_type, expected):
     assert detect_reasoning(ChatTemplateInfo(True, source, model_type)) == expected
