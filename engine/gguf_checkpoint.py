@@ -671,19 +671,27 @@ def llama4_config(source: Path, reader) -> Llama4TextConfig:
         rope_parameters=rope)
 
 
+def _sizes(key: Callable[..., Any], reader) -> dict[str, Any]:
+    """The sizes every llama.cpp file gives under the same keys: vocabulary, width, layers, heads (KV heads per layer
+    in hybrid files, 0 where a layer has no attention: the config takes the largest), norm epsilon, context."""
+    heads = int(key("attention.head_count"))
+    kv_heads = key("attention.head_count_kv", heads)
+    return dict(vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
+                num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
+                num_key_value_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
+                rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+                max_position_embeddings=int(key("context_length")))
+
+
 def olmoe_config(reader) -> OlmoeConfig:
     """OLMoE from llama.cpp's `olmoe` keys: every layer MoE, experts of `feed_forward_length`, q/k normed over the
     whole projection, the router's top-k weights not renormalised (as llama.cpp runs it and OLMoE was trained)."""
     key = arch_keys(reader, "olmoe")
-    heads = int(key("attention.head_count"))
     return OlmoeConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
-        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
-        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)), num_experts=int(key("expert_count")),
-        num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=bool(key("expert_weights_norm", False)),
-        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+        **_sizes(key, reader), intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+        norm_topk_prob=bool(key("expert_weights_norm", False)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))})
 
 
 def granitemoe_config(reader) -> GraniteMoeConfig | GraniteMoeSharedConfig:
@@ -719,16 +727,10 @@ def granitehybrid_config(reader, tensor_names: set[str]) -> GraniteMoeHybridConf
 def _granite_keys(key: Callable[..., Any], reader) -> dict[str, Any]:
     """The settings Granite's MoE models share, from llama.cpp's keys: its four multipliers are llama.cpp's embedding,
     residual, attention and logit scales; a shared expert where the file gives its width."""
-    heads = int(key("attention.head_count"))
-    kv_heads = key("attention.head_count_kv", heads)  # per layer in hybrid files: 0 where a layer has no attention
     common = dict(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
-        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
-        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
+        **_sizes(key, reader), intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
         num_local_experts=int(key("expert_count", 0)), num_experts_per_tok=int(key("expert_used_count", 0)),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         embedding_multiplier=float(key("embedding_scale", 1.0)), residual_multiplier=float(key("residual_scale", 1.0)),
         attention_multiplier=float(key("attention.scale", 1.0)), logits_scaling=float(key("logit_scale", 1.0)))
     if shared := key("expert_shared_feed_forward_length"):
@@ -761,16 +763,12 @@ def hunyuan_moe_config(reader) -> HunYuanMoEV1Config:
     """Hunyuan-A13B from llama.cpp's `hunyuan-moe` keys: its NTK-alpha rotary is written as the base it scales to
     (`rope.freq_base`), which transformers' rotary then takes as it is; experts and the shared expert one width."""
     key = arch_keys(reader, "hunyuan-moe")
-    heads = int(key("attention.head_count"))
+    sizes = _sizes(key, reader)
     return HunYuanMoEV1Config(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
-        intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
-        num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", int(key("embedding_length")) // heads)),
+        **sizes, intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        head_dim=int(key("attention.key_length", sizes["hidden_size"] // sizes["num_attention_heads"])),
         num_experts=int(key("expert_count")), moe_topk=int(key("expert_used_count")),
-        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))},
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")))
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))})
 
 
 def jamba_config(source: Path, reader, tensor_names: set[str]) -> JambaConfig:
@@ -787,11 +785,8 @@ def jamba_config(source: Path, reader, tensor_names: set[str]) -> JambaConfig:
     expert_offset, expert_period = _every(source, "MoE", moe, layers)
     first_mamba = next((i for i, n in enumerate(kv_heads) if not n), 0)
     return JambaConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=layers,
-        num_attention_heads=int(key("attention.head_count")), num_key_value_heads=int(max(kv_heads)),
+        **_sizes(key, reader), intermediate_size=int(key("feed_forward_length")),
         num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), max_position_embeddings=int(key("context_length")),
         attn_layer_offset=attn_offset, attn_layer_period=attn_period, expert_layer_offset=expert_offset,
         expert_layer_period=expert_period, mamba_d_state=int(key("ssm.state_size")),
         mamba_d_conv=int(key("ssm.conv_kernel")), mamba_expand=int(key("ssm.inner_size")) // hidden,
