@@ -1,7 +1,7 @@
 """A reasoning model's thinking, read out of its output as it arrives: it goes to the message's
 `reasoning_content` (and `reasoning`, vLLM's newer name), the answer to `content`.
 
-Three formats:
+Four formats:
 - `think`: a `<think>…</think>` block at the start of the output (Qwen3, DeepSeek-R1 and V3.1,
   GLM-4.5, MiniMax-M2, ...). Templates of thinking models often open the block in the prompt, so
   that the output begins inside it.
@@ -59,7 +59,7 @@ def detect_reasoning(info: ChatTemplateInfo) -> str | None:
         return "harmony"
     if GEMMA4_OPEN in info.source or GEMMA4_CLOSE in info.source or info.model_type in GEMMA4_MODEL_TYPES:
         return "gemma4"
-    if ANSWER_OPEN in info.source and THINK_OPEN in info.source or info.model_type in HUNYUAN_MODEL_TYPES:
+    if (ANSWER_OPEN in info.source and THINK_OPEN in info.source) or info.model_type in HUNYUAN_MODEL_TYPES:
         return "hunyuan"
     if THINK_OPEN in info.source or THINK_CLOSE in info.source:
         return "think"
