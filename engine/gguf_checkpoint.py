@@ -49,6 +49,7 @@ from transformers import (
     MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
+    Qwen3MoeConfig,
 )
 from transformers.core_model_loading import Concatenate, WeightConverter, rename_source_key
 from transformers.integrations.gguf import get_gguf_conversion_mapping, is_gguf_arch_supported
@@ -62,7 +63,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
-from engine import gguf_ollama
+from engine import gguf_nemotron_h, gguf_ollama
 from engine.gguf_experts import (
     MARKER,
     ExpertTensor,
@@ -88,12 +89,15 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
-                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba")
+                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH)
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba")
+                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH)
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
-PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid")
+PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
+# the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
+# Ollama's Nemotron-H model
+OLLAMA_SPLIT_RULES = {"llama4": "llama4", gguf_nemotron_h.ARCH: "qwen2"}
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -298,8 +302,12 @@ class LegacyNames:
             processor_class = LlamaTensorProcessor
         self.processor = (processor_class or TensorProcessor)(config=config.to_dict())
         self.names = get_gguf_hf_weights_map(model, self.processor, model_type=arch)  # merged: no `.weight`
+        if arch == gguf_nemotron_h.ARCH:
+            self.names.update(gguf_nemotron_h.published_names(model, config.num_hidden_layers))
         layers = find_moe_layers(model)
         self.experts = {layer.decoder_layer: layer.path for layer in layers}
+        self.up_names = {layer.decoder_layer: "gate_up_proj" if getattr(layer.experts, "has_gate", True) else "up_proj"
+                         for layer in layers}  # Nemotron-H's experts have no gate
         module_names = {module: name for name, module in model.named_modules()}
         self.routers = {layer.decoder_layer: f"{module_names[layer.router]}.weight" for layer in layers
                         if layer.router is not None and hasattr(layer.router, "weight")}
@@ -318,7 +326,7 @@ class LegacyNames:
             name = f"blk.{m['layer']}.ffn_{m['weight']}_exps.{m['kind']}"
         found = self.names.get(name) or self.names.get(name.removesuffix(".weight"))
         if found is None and m and int(m["layer"]) in self.experts:
-            fused = "down_proj" if m["weight"] == "down" else "gate_up_proj"
+            fused = "down_proj" if m["weight"] == "down" else self.up_names[int(m["layer"])]
             found = f"{self.experts[int(m['layer'])]}.{fused}{'_bias' if m['kind'] == 'bias' else ''}"
         if found is None and (bias := ROUTER_BIAS.fullmatch(name)):
             found = self.router_biases.get(int(bias["layer"]))
@@ -482,6 +490,11 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return hunyuan_moe_config(reader)
     if arch == "jamba":
         return jamba_config(source, reader, tensor_names)
+    if arch == "qwen3vlmoe":
+        return qwen3vlmoe_config(reader)
+    if arch == gguf_nemotron_h.ARCH:
+        key = arch_keys(reader, arch)
+        return gguf_nemotron_h.nemotron_h_config(reader, key, _sizes(key, reader), tensor_names)
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -493,6 +506,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         field = reader.fields.get(f"{arch}.{key}")
         if field is not None:
             setattr(config, attribute, int(field.contents()))
+        elif key == "expert_feed_forward_length":  # Ollama's Qwen3 files leave it out
+            setattr(config, attribute, expert_width(reader))
     if config.model_type not in interface_families():
         raise CheckpointError(f"{source}: a {config.model_type!r} model ({arch!r} in GGUF), not a Mixture-of-Experts "
                               f"family moe-serve serves ({', '.join(interface_families())})")
@@ -681,6 +696,28 @@ def _sizes(key: Callable[..., Any], reader) -> dict[str, Any]:
                 num_key_value_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
                 rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
                 max_position_embeddings=int(key("context_length")))
+
+
+def expert_width(reader) -> int:
+    """The experts' hidden width, from their down projections (`[E, H, I]`; GGUF shapes list columns first)."""
+    down = next(t for t in reader.tensors if EXPERT_TENSOR.fullmatch(t.name) and ".ffn_down" in t.name)
+    return int(down.shape[0])
+
+
+def qwen3vlmoe_config(reader) -> Qwen3MoeConfig:
+    """Qwen3-VL's MoE models (Qwen3-VL-30B-A3B, -235B-A22B) from llama.cpp's and Ollama's `qwen3vlmoe` keys, read as
+    their text model, a Qwen3 MoE: their rotary turns each frequency by one of three position axes, which for text
+    all hold the token's position, so it is Qwen3's plain rotary. The router always renormalises its top-k weights
+    (Ollama's `norm_top_k_prob` copies a setting Qwen3-VL's config lacks); Ollama's files give the experts' width
+    only by their shape; the vision model (in Ollama's file, beside it in llama.cpp's) is left aside."""
+    key = arch_keys(reader, "qwen3vlmoe")
+    sizes = _sizes(key, reader)
+    return Qwen3MoeConfig(
+        **sizes, head_dim=int(key("attention.key_length", sizes["hidden_size"] // sizes["num_attention_heads"])),
+        intermediate_size=int(key("feed_forward_length")),
+        moe_intermediate_size=int(key("expert_feed_forward_length") or expert_width(reader)),
+        num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))})
 
 
 def olmoe_config(reader) -> OlmoeConfig:
@@ -979,8 +1016,9 @@ def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) 
                         "chat_template.jinja from openai/gpt-oss-20b); /v1/completions works without", source)
     else:
         tokenizer = load_gguf_tokenizer(source, reads_config=arch not in OWN_CONFIG_ARCHS)
-    if arch == "llama4" and reader.fields["tokenizer.ggml.pre"].contents() == "default":  # Ollama's: unnamed
-        apply_file_split_rule(tokenizer, "llama4")  # the rule Ollama's model applies, Llama 4's own
+    pre = reader.fields.get("tokenizer.ggml.pre")
+    if arch in OLLAMA_SPLIT_RULES and pre is not None and pre.contents() == "default":  # Ollama's: unnamed
+        apply_file_split_rule(tokenizer, OLLAMA_SPLIT_RULES[arch])
     if arch == "gemma4" and reader.fields["tokenizer.ggml.model"].contents() != "gemma4":  # Ollama's: `llama`
         log.warning("GGUF %s: its Gemma 4 vocabulary is of type %r (llama.cpp writes `gemma4`, Ollama `llama`) and is "
                     "read as transformers reads that type, not checked against Gemma 4's own tokenizer", source,

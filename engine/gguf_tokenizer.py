@@ -110,8 +110,10 @@ def load_gguf_tokenizer(path: Path, reads_config: bool = True):
 
 def apply_file_split_rule(tokenizer, pre_name: str) -> bool:
     """Give `tokenizer` (a fast byte-level tokenizer built from a GGUF file) the split rule the file names in
-    `tokenizer.ggml.pre`, where this module knows it; True if it did."""
+    `tokenizer.ggml.pre`, where this module or transformers knows it; True if it did."""
     splits = SPLITS.get(pre_name)
+    if splits is None and pre_name in GGUF_PRE_TOKENIZER_SPLITS:  # a rule transformers knows (Qwen2's, ...)
+        splits = (GGUF_PRE_TOKENIZER_SPLITS[pre_name],)
     if splits is None:
         return False
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

@@ -92,9 +92,11 @@ def top_k_of(model: nn.Module, layers: list[MoELayer]) -> int:
     raise CheckpointError(f"cannot tell how many experts {config.model_type} routes each token to")
 
 
-def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The layer's router as a function hidden [T, H] → top-k expert ids [T, k] (its integer output);
-    None without a router, or when the router cannot be called with inputs its block holds."""
+def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+    """The layer's router as a function hidden [T, H] → top-k expert ids [T, k] (its integer output), or None for
+    a hidden state of another width (the previous layer's experts' input, where the experts compute in a latent
+    width: Nemotron 3 Super); None without a router, or when the router cannot be called with inputs its block
+    holds."""
     router = layer.router
     if router is None:
         return None
@@ -105,7 +107,12 @@ def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor] | No
     if rank is None:
         return None
 
-    def top_k(hidden: torch.Tensor) -> torch.Tensor:
+    weight = getattr(router, "weight", None)
+    width = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+    def top_k(hidden: torch.Tensor) -> torch.Tensor | None:
+        if width is not None and hidden.shape[-1] != width:  # the experts' input is not the router's (latent MoE)
+            return None
         shaped = hidden if rank == 2 else hidden.unsqueeze(0)  # [1, T, H] for a router that unpacks it
         out = router(shaped, **{name: getattr(layer.block, name) for name in names})
         outputs = out if isinstance(out, tuple) else (out,)

@@ -34,6 +34,8 @@ from tests.fixtures.gguf_files import (
     write_gguf,
     write_ollama_gpt_oss,
     write_ollama_llama4,
+    write_ollama_nemotron_h,
+    write_relabelled,
 )
 from tests.fixtures.models import make_config, random_model
 
@@ -404,6 +406,52 @@ def test_ollamas_own_llama4_file_is_served_as_llama_cpps(tmp_path):
     assert (converted.intermediate_size, converted.intermediate_size_mlp) == (64, 48)
     split = json.loads((resolve_model_path(str(path)) / "tokenizer.json").read_text())["pre_tokenizer"]
     assert r"\\p{N}{1,3}" in json.dumps(split)  # Llama 4's rule: digits in threes
+
+
+@pytest.mark.parametrize("ollama", [False, True])
+def test_a_qwen3_vl_moe_file_is_served_as_its_text_model(ollama, tmp_path):
+    """Qwen3-VL-30B-A3B (`qwen3vlmoe`) is a Qwen3 MoE with rotary sections per position axis, which for text turn as
+    Qwen3's; its router always renormalises. Ollama's file holds the vision model beside it, says the router does not
+    renormalise (a setting Qwen3-VL's config lacks) and gives the experts' width only by their shape."""
+    model = tiny_gguf_model("qwen3_moe", seed=7)
+    assert model.config.norm_topk_prob
+    qwen3 = write_gguf(model, tmp_path / "qwen3.gguf", "Q8_0")
+    if ollama:
+        path = write_relabelled(qwen3, tmp_path / "ollama.gguf", "qwen3vlmoe", ("qwen3moe.expert_feed_forward_length",),
+                                {"norm_top_k_prob": False, "rope.mrope_section": [2, 1, 1]}, vision=True)
+    else:
+        path = write_relabelled(qwen3, tmp_path / "llama-cpp.gguf", "qwen3vlmoe", (),
+                                {"rope.dimension_sections": [2, 1, 1, 0], "n_deepstack_layers": 3})
+    engine = load(path, 3, expert_dtype="bf16")
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(file_experts(qwen3, model), prompt_ids)
+    assert engine.loaded.config.model_type == "qwen3_moe"
+
+
+def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
+    """Ollama's Qwen3 MoE files (`ollama pull qwen3:30b`) have no `expert_feed_forward_length`, which transformers'
+    GGUF reader would leave at the class default (768, Qwen3-30B-A3B's; Qwen3-235B-A22B's is 1536)."""
+    model = tiny_gguf_model("qwen3_moe", seed=8)
+    qwen3 = write_gguf(model, tmp_path / "qwen3.gguf")
+    path = write_relabelled(qwen3, tmp_path / "ollama.gguf", "qwen3moe", ("qwen3moe.expert_feed_forward_length",))
+    engine = load(path, 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+
+
+def test_ollamas_own_nemotron_h_file_is_served_as_llama_cpps(tmp_path):
+    """What `ollama pull nemotron-3-nano` fetches: llama.cpp's tensors with q/k rows in the checkpoint's order (no
+    rotary: either order gives the same attention); Nemotron 3 Super's latent projections under Ollama's names; the
+    split rule unnamed, where Ollama's model splits as Qwen2's rule does."""
+    model = tiny_gguf_model("nemotron_h", seed=3, moe_latent_size=16)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
+    path = write_ollama_nemotron_h(llama_cpp, tmp_path / "ollama.gguf", model.config)
+    for source in (llama_cpp, path):
+        engine = load(source, 3)
+        prompt_ids = engine.encode(PROMPT)
+        assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids), source.name
+    split = json.loads((resolve_model_path(str(path)) / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert r"\\p{N}|" in json.dumps(split)  # Qwen2's rule: digits one by one
 
 
 def test_a_granite4_file_says_whether_its_attention_rotates(tmp_path):
