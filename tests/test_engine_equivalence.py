@@ -108,6 +108,19 @@ def test_more_families_through_the_experts_interface(family, tmp_path):
         assert greedy(engine, prompt_ids) == expected, f"{family}, cache of {slots} experts"
 
 
+def test_experts_in_a_latent_width_as_nemotron_3_super_has_them(tmp_path):
+    """Nemotron 3 Super's experts compute in a width of their own, between two projections of the hidden state: the
+    prefetcher's look-ahead, which gives the next router the experts' input, has nothing to give it there."""
+    kinds = ["linear_attention", "moe", "full_attention", "moe"]  # two MoE layers: the second is looked ahead to
+    folder = build_checkpoint("nemotron_h", tmp_path / "super", layers_block_type=kinds, moe_latent_size=16)
+    engines = load_engines(folder, lambda total: (total // 4, total))
+    prompt_ids = engines[1].encode(PROMPT)
+    expected = reference_greedy(folder, prompt_ids, NEW_TOKENS)
+    for slots, engine in engines.items():
+        assert (engine.runtime.prefetcher is not None) == (slots < max(engines))  # none where every expert fits
+        assert greedy(engine, prompt_ids) == expected, f"cache of {slots} experts"
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_decode_computes_experts_stacked_or_one_by_one_alike(family, tmp_path, monkeypatch):
     """Small experts are stacked into one batched product at decode, large ones computed on
