@@ -440,7 +440,7 @@ def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
 
 
 def test_ollamas_own_nemotron_h_file_is_served_as_llama_cpps(tmp_path):
-    """What `ollama pull nemotron-3-nano` fetches: llama.cpp's tensors with q/k rows in the checkpoint's order (no
+    """Ollama's own Nemotron-H files: llama.cpp's tensors with q/k rows in the checkpoint's order (no
     rotary: either order gives the same attention); Nemotron 3 Super's latent projections under Ollama's names; the
     split rule unnamed, where Ollama's model splits as Qwen2's rule does."""
     model = tiny_gguf_model("nemotron_h", seed=3, moe_latent_size=16)
