@@ -182,7 +182,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     source = parts[0]
     try:
         readers = [gguf_ollama.OllamaAwareReader(part) for part in parts]
-        arch = str(readers[0].fields["general.architecture"].contents())
+        arch = architecture(readers[0])
     except (ValueError, KeyError, OSError) as e:
         raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     if any(reader.byte_order != "I" for reader in readers):
@@ -241,7 +241,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     if unused:
         log.warning("GGUF %s: %d tensors not used by %s (%s)", source, len(unused), config.model_type,
                     ", ".join(unused[:5]))
-    _save_companions(source, readers[0], config, out)
+    _save_companions(source, readers[0], arch, config, out)
     marker = {"source": [str(part) for part in parts], "architecture": arch, "converter": CONVERTER_VERSION,
               "identity": identity, "expert_types": _expert_types([t for t, _ in tensors if target_of[t.name]]),
               "in_place": not (transposed or interleaved),
@@ -456,6 +456,17 @@ def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
     return out
 
 
+def architecture(reader) -> str:
+    """The architecture a GGUF file is converted as: the one it names, but Qwen3-Next's for Ollama's Qwen3-Next files,
+    which Ollama writes under Qwen3.5's name (`qwen35moe`) without the value-head reordering it marks in Qwen3.5's
+    files (`ssm.v_head_reordered`) and without Qwen3.5's rotary sections."""
+    named = str(reader.fields["general.architecture"].contents())
+    if named == "qwen35moe" and not any(f"qwen35moe.{key}" in reader.fields
+                                        for key in ("ssm.v_head_reordered", "rope.dimension_sections")):
+        return "qwen3next"
+    return named
+
+
 def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> PretrainedConfig:
     """The model's config as transformers reads it from the file, with the expert sizes it misses; read here for
     the architectures whose config transformers reads wrongly (GPT-OSS's YaRN) or not at all (DeepSeek's)."""
@@ -482,8 +493,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return granitemoe_config(reader)
     if arch == "granitehybrid":
         return granitehybrid_config(reader, tensor_names)
-    if arch == "qwen3next":
-        return qwen3next_config(reader, arch_keys(reader, arch))
+    if arch == "qwen3next":  # llama.cpp's, or Ollama's under Qwen3.5's name and keys
+        return qwen3next_config(reader, arch_keys(reader, str(reader.fields["general.architecture"].contents())))
     if arch == "lfm2moe":
         return lfm2moe_config(reader, tensor_names)
     if arch == "hunyuan-moe":
@@ -1003,10 +1014,9 @@ def _check_complete(source: Path, found: set[str], expected: dict[str, tuple], c
                               f"checkpoint instead")
 
 
-def _save_companions(source: Path, reader, config: PretrainedConfig, out: Path) -> None:
+def _save_companions(source: Path, reader, arch: str, config: PretrainedConfig, out: Path) -> None:
     """Config, tokenizer (with the file's chat template) and generation config, which stops at every id that
     ends a turn as llama.cpp reads the file: end of sequence, of turn, of message."""
-    arch = reader.fields["general.architecture"].contents()
     if arch == gguf_ollama.ARCH:  # transformers cannot read the file: its vocabulary alone, in a file of its own
         vocabulary = gguf_ollama.tokenizer_file(reader, out / "ollama-vocabulary.gguf")
         tokenizer = load_gguf_tokenizer(vocabulary, reads_config=False)

@@ -28,7 +28,7 @@ def qwen3next_config(reader, key: Callable[..., Any]) -> Qwen3NextConfig:
     head_dim = int(key("attention.key_length"))
     value_heads = int(key("ssm.time_step_rank"))
     interval = int(key("full_attention_interval", 4))
-    layers = int(key("block_count"))
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))  # multi-token-prediction blocks come last
     return Qwen3NextConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("feed_forward_length")), num_hidden_layers=layers,

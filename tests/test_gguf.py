@@ -428,6 +428,19 @@ def test_a_qwen3_vl_moe_file_is_served_as_its_text_model(ollama, tmp_path):
     assert engine.loaded.config.model_type == "qwen3_moe"
 
 
+def test_ollamas_qwen3_next_file_is_told_from_a_qwen35_file(tmp_path):
+    """Ollama writes Qwen3-Next under Qwen3.5's architecture (`qwen35moe`), in llama.cpp's Qwen3-Next layout: without
+    Qwen3.5's value-head reordering (which it marks in Qwen3.5's files) and rotary sections; its multi-token-prediction
+    block after the last layer."""
+    model = tiny_gguf_model("qwen3_next", seed=4)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf", mtp_block=True)
+    path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "qwen35moe")
+    engine = load(path, 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert engine.loaded.config.model_type == "qwen3_next"
+
+
 def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
     """Ollama's Qwen3 MoE files (`ollama pull qwen3:30b`) have no `expert_feed_forward_length`, which transformers'
     GGUF reader would leave at the class default (768, Qwen3-30B-A3B's; Qwen3-235B-A22B's is 1536)."""
