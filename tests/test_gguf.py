@@ -441,6 +441,18 @@ def test_ollamas_qwen3_next_file_is_told_from_a_qwen35_file(tmp_path):
     assert engine.loaded.config.model_type == "qwen3_next"
 
 
+def test_ollamas_qwen35_file_is_served_as_llama_cpps(tmp_path):
+    """Ollama's Qwen3.5 files: llama.cpp's layout, the value-head reordering marked, the vision model's tensors in the
+    same file (whose names contain those of the text model's: `v.blk.0.attn_qkv`)."""
+    model = tiny_gguf_model("qwen3_5_moe_text", seed=6)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
+    path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "qwen35moe", (), {"ssm.v_head_reordered": True},
+                            vision=True)
+    engine = load(path, 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+
+
 def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
     """Ollama's Qwen3 MoE files (`ollama pull qwen3:30b`) have no `expert_feed_forward_length`, which transformers'
     GGUF reader would leave at the class default (768, Qwen3-30B-A3B's; Qwen3-235B-A22B's is 1536)."""
