@@ -576,10 +576,10 @@ def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
                  "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
                  "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale,
                  "mscale_all_dim": mscale}
-    q_lora_rank = key("attention.q_lora_rank")  # none: queries projected at once (V2-Lite)
+    q_lora_rank = key("attention.q_lora_rank")  # none (Ollama's files: 0): queries projected at once (V2-Lite)
     common = dict(
         **_deepseek_style_keys(reader, key), num_attention_heads=heads, num_key_value_heads=heads,
-        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank), kv_lora_rank=int(key("attention.kv_lora_rank")),
+        q_lora_rank=int(q_lora_rank or 0) or None, kv_lora_rank=int(key("attention.kv_lora_rank")),
         qk_rope_head_dim=rope_dim, head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim,
         v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")), rope_parameters=rope)
     if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:

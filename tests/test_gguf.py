@@ -453,6 +453,21 @@ def test_ollamas_qwen35_file_is_served_as_llama_cpps(tmp_path):
     assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_ollamas_own_deepseek_file_is_served_as_llama_cpps(family, tmp_path):
+    """Ollama's DeepSeek files (`convert_deepseek2.go`): llama.cpp's keys and tensors, but a query rank of 0 where the
+    model projects its queries at once (V2-Lite), and the rotary scaling's keys written, empty, where it has none."""
+    model = tiny_gguf_model(family, seed=9)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
+    unscaled = model.config.rope_parameters["rope_type"] == "default"
+    keys = ({} if model.config.q_lora_rank else {"attention.q_lora_rank": 0}) | (
+        {"rope.scaling.type": "", "rope.scaling.factor": 0.0} if unscaled else {})
+    path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "deepseek2", (), keys)
+    engine = load(path, 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+
+
 def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
     """Ollama's Qwen3 MoE files (`ollama pull qwen3:30b`) have no `expert_feed_forward_length`, which transformers'
     GGUF reader would leave at the class default (768, Qwen3-30B-A3B's; Qwen3-235B-A22B's is 1536)."""
