@@ -453,12 +453,13 @@ def test_ollamas_qwen35_file_is_served_as_llama_cpps(tmp_path):
     assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-def test_ollamas_own_deepseek_file_is_served_as_llama_cpps(family, tmp_path):
+@pytest.mark.parametrize("family, absorbed", [("deepseek_v2", False), ("deepseek_v3", False), ("deepseek_v3", True)])
+def test_ollamas_own_deepseek_file_is_served_as_llama_cpps(family, absorbed, tmp_path):
     """Ollama's DeepSeek files (`convert_deepseek2.go`): llama.cpp's keys and tensors, but a query rank of 0 where the
-    model projects its queries at once (V2-Lite), and the rotary scaling's keys written, empty, where it has none."""
+    model projects its queries at once (V2-Lite), and the rotary scaling's keys written, empty, where it has none;
+    its GLM-4.7-Flash files (`convert_glm4moelite.go`) hold the attention in MLA's absorbed form, as llama.cpp's do."""
     model = tiny_gguf_model(family, seed=9)
-    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf", split_kv_b=absorbed)
     unscaled = model.config.rope_parameters["rope_type"] == "default"
     keys = ({} if model.config.q_lora_rank else {"attention.q_lora_rank": 0}) | (
         {"rope.scaling.type": "", "rope.scaling.factor": 0.0} if unscaled else {})
