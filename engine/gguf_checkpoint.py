@@ -98,6 +98,9 @@ PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARC
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
 # Ollama's Nemotron-H model
 OLLAMA_SPLIT_RULES = {"llama4": "llama4", gguf_nemotron_h.ARCH: "qwen2"}
+# tensor names Ollama's converter gives otherwise than llama.cpp's, by architecture: llama.cpp's part → Ollama's
+OLLAMA_NAMES = {"lfm2moe": {"token_embd_norm": "output_norm"},  # LFM2's final norm, `embedding_norm` in its checkpoint
+                gguf_nemotron_h.ARCH: gguf_nemotron_h.OLLAMA_NAMES}
 LLAMA3_ORIGINAL_CONTEXT = 8192  # what llama.cpp's converter assumes where a config names none
 # Expert sizes that transformers' GGUF config reader leaves at the class default: GGUF key → config attribute
 MISSED_CONFIG_KEYS = {
@@ -304,6 +307,7 @@ class LegacyNames:
         self.names = get_gguf_hf_weights_map(model, self.processor, model_type=arch)  # merged: no `.weight`
         if arch == gguf_nemotron_h.ARCH:
             self.names.update(gguf_nemotron_h.published_names(model, config.num_hidden_layers))
+        self.names.update(with_ollama_names(self.names, OLLAMA_NAMES.get(arch, {})))
         layers = find_moe_layers(model)
         self.experts = {layer.decoder_layer: layer.path for layer in layers}
         self.up_names = {layer.decoder_layer: "gate_up_proj" if getattr(layer.experts, "has_gate", True) else "up_proj"
@@ -356,6 +360,17 @@ class LegacyNames:
 
     def check_expert(self, name: str) -> None:
         """Experts are read from the file as they lie: this reader changes none."""
+
+
+def with_ollama_names(names: dict[str, str], renamed: dict[str, str]) -> dict[str, str]:
+    """The tensors of `names` (GGUF name → our parameter) whose name has a part Ollama names otherwise (`renamed`:
+    llama.cpp's part → Ollama's), under Ollama's name."""
+    found = {}
+    for name, ours in names.items():
+        parts = name.split(".")
+        if any(part in renamed for part in parts):
+            found[".".join(renamed.get(part, part) for part in parts)] = ours
+    return found
 
 
 class SplitKVB:

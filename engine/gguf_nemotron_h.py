@@ -21,8 +21,8 @@ from transformers import NemotronHConfig
 
 ARCH = "nemotron_h_moe"
 PUBLISHED_PREFIX = "backbone."  # the checkpoint's prefix of what transformers holds under `model.`
-# Ollama's names of the latent projections (Nemotron 3 Super) → llama.cpp's
-OLLAMA_LATENT = {"ffn_latent_in": "ffn_latent_down", "ffn_latent_out": "ffn_latent_up"}
+# llama.cpp's names of the latent projections (Nemotron 3 Super) → Ollama's
+OLLAMA_NAMES = {"ffn_latent_down": "ffn_latent_in", "ffn_latent_up": "ffn_latent_out"}
 
 
 def nemotron_h_config(reader, key: Callable[..., Any], sizes: dict[str, Any], tensor_names: set[str]
@@ -71,8 +71,7 @@ def _per_layer(value: int | list[int], layers: int) -> list[int]:
 
 def published_names(model: torch.nn.Module, num_layers: int) -> dict[str, str]:
     """GGUF tensor → our parameter, by gguf-py's names for the published checkpoint's (`backbone.layers.3.mixer
-    .in_proj`): transformers' GGUF name map looks for ours (`model.layers.3...`), which gguf-py does not list; Ollama's
-    names of the latent projections too."""
+    .in_proj`): transformers' GGUF name map looks for ours (`model.layers.3...`), which gguf-py does not list."""
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == ARCH)
     name_map = gguf.get_tensor_name_map(arch, num_layers)
     found = {}
@@ -84,8 +83,4 @@ def published_names(model: torch.nn.Module, num_layers: int) -> dict[str, str]:
         published = PUBLISHED_PREFIX + base.removeprefix("model.")
         if (name := name_map.get_name(published)) is not None:
             found[name + suffix] = ours
-    for name, ours in list(found.items()):  # Ollama's names of the same tensors
-        for ollama, llama_cpp in OLLAMA_LATENT.items():
-            if f".{llama_cpp}." in name:
-                found[name.replace(f".{llama_cpp}.", f".{ollama}.")] = ours
     return found

@@ -469,6 +469,18 @@ def test_ollamas_own_deepseek_file_is_served_as_llama_cpps(family, absorbed, tmp
     assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
 
 
+def test_ollamas_own_lfm2_file_is_served_as_llama_cpps(tmp_path):
+    """Ollama's LFM2 MoE files (`convert_lfm2.go`): llama.cpp's layout, but the final norm (`embedding_norm` in the
+    checkpoint) as `output_norm`, where llama.cpp names it `token_embd_norm`; no routing keys beyond the sigmoid's."""
+    model = tiny_gguf_model("lfm2_moe", seed=5)
+    llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
+    path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "lfm2moe", ("lfm2moe.expert_weights_norm",
+                            "lfm2moe.expert_weights_scale"), renamed={"token_embd_norm.weight": "output_norm.weight"})
+    engine = load(path, 3)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+
+
 def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
     """Ollama's Qwen3 MoE files (`ollama pull qwen3:30b`) have no `expert_feed_forward_length`, which transformers'
     GGUF reader would leave at the class default (768, Qwen3-30B-A3B's; Qwen3-235B-A22B's is 1536)."""
