@@ -78,8 +78,17 @@ def test_an_unknown_rule_leaves_the_tokenizer_as_transformers_built_it():
     folder, name = gguf_location()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     before = tokenizer.backend_tokenizer.pre_tokenizer.__getstate__()
-    assert not apply_file_split_rule(tokenizer, "llama-bpe")  # transformers' own table has it
+    assert not apply_file_split_rule(tokenizer, "no-such-rule")
     assert tokenizer.backend_tokenizer.pre_tokenizer.__getstate__() == before
+
+
+def test_a_rule_of_transformers_own_table_is_applied_too():
+    """Qwen2's rule, which Ollama's Nemotron-H model applies where its file names none."""
+    folder, name = gguf_location()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert apply_file_split_rule(tokenizer, "qwen2")
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab 123")
+    assert [piece for piece, _ in pieces] == ["ab", "Ġ", "1", "2", "3"]
 
 
 def test_a_served_file_keeps_its_split_rule(tmp_path):
