@@ -185,7 +185,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     source = parts[0]
     try:
         readers = [gguf_ollama.OllamaAwareReader(part) for part in parts]
-        arch = architecture(readers[0])
+        arch = architecture(readers)
     except (ValueError, KeyError, OSError) as e:
         raise CheckpointError(f"{source} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     if any(reader.byte_order != "I" for reader in readers):
@@ -471,13 +471,12 @@ def dequantize_parallel(tensor, pool: ThreadPoolExecutor) -> np.ndarray:
     return out
 
 
-def architecture(reader) -> str:
-    """The architecture a GGUF file is converted as: the one it names, but Qwen3-Next's for Ollama's Qwen3-Next files,
-    which Ollama writes under Qwen3.5's name (`qwen35moe`) without the value-head reordering it marks in Qwen3.5's
-    files (`ssm.v_head_reordered`) and without Qwen3.5's rotary sections."""
-    named = str(reader.fields["general.architecture"].contents())
-    if named == "qwen35moe" and not any(f"qwen35moe.{key}" in reader.fields
-                                        for key in ("ssm.v_head_reordered", "rope.dimension_sections")):
+def architecture(readers: list) -> str:
+    """The architecture the GGUF file (`readers`: of each part) is converted as: the one it names, but Qwen3-Next's
+    for Ollama's Qwen3-Next files, which Ollama writes under Qwen3.5's name (`qwen35moe`) in Qwen3-Next's layout: its
+    linear attention's beta and alpha projections fused (`ssm_ba`; Qwen3.5 has two) and no value heads reordered."""
+    named = str(readers[0].fields["general.architecture"].contents())
+    if named == "qwen35moe" and any(t.name.endswith(".ssm_ba.weight") for r in readers for t in r.tensors):
         return "qwen3next"
     return named
 
