@@ -725,7 +725,10 @@ def _sizes(key: Callable[..., Any], reader) -> dict[str, Any]:
 
 def expert_width(reader) -> int:
     """The experts' hidden width, from their down projections (`[E, H, I]`; GGUF shapes list columns first)."""
-    down = next(t for t in reader.tensors if EXPERT_TENSOR.fullmatch(t.name) and ".ffn_down" in t.name)
+    down = next((t for t in reader.tensors if EXPERT_TENSOR.fullmatch(t.name) and ".ffn_down" in t.name), None)
+    if down is None:
+        raise CheckpointError("the GGUF file says neither its experts' width (`expert_feed_forward_length`) nor holds "
+                              "their down projections in its first part, where that width is read from")
     return int(down.shape[0])
 
 
