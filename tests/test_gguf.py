@@ -61,6 +61,14 @@ def load(path, slots: int, expert_dtype: str = "auto") -> Engine:
                                     expert_dtype=expert_dtype))
 
 
+def assert_serves_tokens_of(path, model: torch.nn.Module, expert_dtype: str = "auto") -> Engine:
+    """The GGUF file `path`, served at 3 cache slots, gives `model`'s greedy tokens; the engine, for more checks."""
+    engine = load(path, 3, expert_dtype)
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids), path.name
+    return engine
+
+
 def converted_folders():
     return sorted((state_dir() / "gguf").glob("*")) if (state_dir() / "gguf").exists() else []
 
@@ -422,22 +430,17 @@ def test_a_qwen3_vl_moe_file_is_served_as_its_text_model(ollama, tmp_path):
     else:
         path = write_relabelled(qwen3, tmp_path / "llama-cpp.gguf", "qwen3vlmoe", (),
                                 {"rope.dimension_sections": [2, 1, 1, 0], "n_deepstack_layers": 3})
-    engine = load(path, 3, expert_dtype="bf16")
-    prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == transformers_greedy(file_experts(qwen3, model), prompt_ids)
+    engine = assert_serves_tokens_of(path, file_experts(qwen3, model), expert_dtype="bf16")
     assert engine.loaded.config.model_type == "qwen3_moe"
 
 
 def test_ollamas_qwen3_next_file_is_told_from_a_qwen35_file(tmp_path):
-    """Ollama writes Qwen3-Next under Qwen3.5's architecture (`qwen35moe`), in llama.cpp's Qwen3-Next layout: without
-    Qwen3.5's value-head reordering (which it marks in Qwen3.5's files) and rotary sections; its multi-token-prediction
-    block after the last layer."""
+    """Ollama writes Qwen3-Next under Qwen3.5's architecture (`qwen35moe`), in llama.cpp's Qwen3-Next layout (told by
+    its fused `ssm_ba`, where Qwen3.5 has two projections), its multi-token-prediction block after the last layer."""
     model = tiny_gguf_model("qwen3_next", seed=4)
     llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf", mtp_block=True)
     path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "qwen35moe")
-    engine = load(path, 3)
-    prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    engine = assert_serves_tokens_of(path, model)
     assert engine.loaded.config.model_type == "qwen3_next"
 
 
@@ -448,9 +451,7 @@ def test_ollamas_qwen35_file_is_served_as_llama_cpps(tmp_path):
     llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
     path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "qwen35moe", (), {"ssm.v_head_reordered": True},
                             vision=True)
-    engine = load(path, 3)
-    prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert_serves_tokens_of(path, model)
 
 
 @pytest.mark.parametrize("family, absorbed", [("deepseek_v2", False), ("deepseek_v3", False), ("deepseek_v3", True)])
@@ -464,9 +465,7 @@ def test_ollamas_own_deepseek_file_is_served_as_llama_cpps(family, absorbed, tmp
     keys = ({} if model.config.q_lora_rank else {"attention.q_lora_rank": 0}) | (
         {"rope.scaling.type": "", "rope.scaling.factor": 0.0} if unscaled else {})
     path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "deepseek2", (), keys)
-    engine = load(path, 3)
-    prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert_serves_tokens_of(path, model)
 
 
 def test_ollamas_own_lfm2_file_is_served_as_llama_cpps(tmp_path):
@@ -476,9 +475,7 @@ def test_ollamas_own_lfm2_file_is_served_as_llama_cpps(tmp_path):
     llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
     path = write_relabelled(llama_cpp, tmp_path / "ollama.gguf", "lfm2moe", ("lfm2moe.expert_weights_norm",
                             "lfm2moe.expert_weights_scale"), renamed={"token_embd_norm.weight": "output_norm.weight"})
-    engine = load(path, 3)
-    prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert_serves_tokens_of(path, model)
 
 
 def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
@@ -487,9 +484,7 @@ def test_an_ollama_qwen3_file_gives_its_experts_width_by_their_shape(tmp_path):
     model = tiny_gguf_model("qwen3_moe", seed=8)
     qwen3 = write_gguf(model, tmp_path / "qwen3.gguf")
     path = write_relabelled(qwen3, tmp_path / "ollama.gguf", "qwen3moe", ("qwen3moe.expert_feed_forward_length",))
-    engine = load(path, 3)
-    prompt_ids = engine.encode(PROMPT)
-    assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids)
+    assert_serves_tokens_of(path, model)
 
 
 def test_ollamas_own_nemotron_h_file_is_served_as_llama_cpps(tmp_path):
@@ -500,9 +495,7 @@ def test_ollamas_own_nemotron_h_file_is_served_as_llama_cpps(tmp_path):
     llama_cpp = write_gguf(model, tmp_path / "llama-cpp.gguf")
     path = write_ollama_nemotron_h(llama_cpp, tmp_path / "ollama.gguf", model.config)
     for source in (llama_cpp, path):
-        engine = load(source, 3)
-        prompt_ids = engine.encode(PROMPT)
-        assert greedy(engine, prompt_ids) == transformers_greedy(model, prompt_ids), source.name
+        assert_serves_tokens_of(source, model)
     split = json.loads((resolve_model_path(str(path)) / "tokenizer.json").read_text())["pre_tokenizer"]
     assert r"\\p{N}|" in json.dumps(split)  # Qwen2's rule: digits one by one
 
