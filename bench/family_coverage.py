@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from engine.checkpoint import _KeyMapper, check_expert_converter
 from engine.moe_layers import find_moe_layers, interface_families, top_k_of
+from engine.multimodal import build_text_model
 
 LAYERS = 4  # the family's default config, cut to a few layers (meta tensors: nothing is allocated)
 
@@ -66,7 +67,7 @@ def _meta_model(family: str) -> torch.nn.Module:
     try:
         with init_empty_weights(include_buffers=True), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(config)
+            return build_text_model(config, torch.float32)
     except Exception as e:
         raise DefaultConfigError(f"the default {family} config builds no model: {type(e).__name__}: {e}") from None
 

@@ -6,6 +6,7 @@ It is read and its Jinja syntax checked before the model loads, so that a mistak
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +73,19 @@ def _compile(text: str) -> None:
         ImmutableSandboxedEnvironment().from_string(text)
         return
     _compile_jinja_template(text)
+
+
+PROCESSOR_FILES = ("chat_template.json", "processor_config.json")  # a multimodal model's processor settings
+
+
+def processor_chat_template(folder: Path) -> str | None:
+    """The chat template a multimodal model keeps with its processor (`chat_template.json`, or in
+    `processor_config.json`) rather than with its tokenizer; None where neither holds one."""
+    for name in PROCESSOR_FILES:
+        try:
+            template = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError):  # no such file, not JSON, not an object
+            continue
+        if isinstance(template, str) and template.strip():
+            return template
+    return None

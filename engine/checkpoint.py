@@ -27,6 +27,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
     MergeModulelist,
+    Transpose,
     WeightConverter,
     apply_renamings,
     rename_source_key,
@@ -37,10 +38,11 @@ from cache.policy import ExpertKey
 from cache.quant_formats import MXFP4_BLOCK, dequantize_published, fp8_scale_grid
 from cache.quant_published import PUBLISHED_METHODS, ExpertParts, PublishedFormat, PublishedPart
 from cache.safetensors_index import CheckpointError, TensorLocation, index_checkpoint
+from engine import multimodal
 from engine.gguf_checkpoint import gguf_folder
 from engine.gguf_experts import gguf_identity
 from engine.gguf_sources import fetch_hub_gguf, gguf_models, is_gguf, ollama_blob
-from engine.moe_layers import MoELayer, interface_families
+from engine.moe_layers import MoELayer, interface_families, is_interface_experts
 
 
 @dataclass(frozen=True)
@@ -152,16 +154,20 @@ def read_config_dict(folder: Path) -> dict:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
-    model_type = config.get("model_type")
+    model_type, text_type = config.get("model_type"), multimodal.text_model_type(config)
     families = interface_families()
-    if model_type not in families:
+    if model_type not in families and not (model_type in multimodal.image_text_types() and text_type in families):
+        language = f", language model {text_type!r}" if text_type else ""
         raise CheckpointError(
-            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or [])}): "
+            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or [])}{language}): "
             f"its experts do not use transformers' fused experts interface; moe-serve supports: "
-            f"{', '.join(families)} (`moe-serve --list-families`)"
+            f"{', '.join(families)} (`moe-serve --list-families`), and multimodal models whose language model is "
+            f"one of them"
         )
     published_format(config, config_path)  # refuses the quantization formats moe-serve cannot read
     check_config_sizes(config, config_path)
+    if text_type:
+        check_config_sizes(config["text_config"], config_path)
     return config
 
 
@@ -213,7 +219,8 @@ def check_config_sizes(config: dict, where: Path) -> None:
         value = config.get(key)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= bound:
+        values = value if isinstance(value, list) and value else [value]  # one per expert kind: ERNIE-4.5-VL's
+        if not all(isinstance(v, int) and not isinstance(v, bool) and least <= v <= bound for v in values):
             raise CheckpointError(f"{where}: {key} is {value!r}; it must be an integer in [{least}, {bound}]")
     experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if config.get(k)), None)
     if experts is not None and config.get("num_experts_per_tok", 1) > experts:
@@ -378,8 +385,48 @@ def read_dequantized(loc: PublishedLocation, fmt: PublishedFormat) -> torch.Tens
     return torch.stack(weights).view(loc.shape)
 
 
+def hold_experts_as_stored(folder: Path, model: nn.Module) -> None:
+    """Fused experts that a family's checkpoints store transposed (`[E, in, out]`: Qwen3-VL's), which transformers
+    transposes on load, are held as stored: their module is marked `is_transposed`, which its math (and
+    moe-serve's) follows, so their bytes are read in place like any family's. A module with some weights
+    transposed on disk and others not is refused."""
+    mapper = _KeyMapper(model)
+    stored: dict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)  # experts module → parameter → stored shape
+    for key, loc in index_checkpoint(folder).items():
+        target = mapper.map(key)[0]
+        if mapper.is_held_as_stored(target):
+            owner, _, name = target.rpartition(".")
+            stored[owner][name] = tuple(loc.shape)
+    for owner, shapes in stored.items():
+        module = model.get_submodule(owner)
+        weights = {name: p for name, p in module.named_parameters(recurse=False) if p.dim() == 3}
+        flipped = {name for name, shape in shapes.items()
+                   if name in weights and shape != weights[name].shape and shape == _transposed(weights[name].shape)}
+        if not flipped:
+            continue
+        if flipped != set(weights):
+            raise CheckpointError(f"{owner}: only {sorted(flipped)} of its weights {sorted(weights)} are stored "
+                                  f"transposed; moe-serve reads all of an experts module's weights one way")
+        for name, param in weights.items():
+            module._parameters[name] = nn.Parameter(param.new_empty(_transposed(param.shape)), requires_grad=False)
+        module.is_transposed = not module.is_transposed
+
+
+def _transposed(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    return (shape[0], shape[2], shape[1])
+
+
+def _is_expert_transpose(converter: WeightConverter) -> bool:
+    """A converter that only swaps a fused expert tensor's two matrix axes `[E, a, b] → [E, b, a]`."""
+    ops = list(converter.operations)
+    return (len(ops) == 1 and isinstance(ops[0], Transpose) and {ops[0].dim0, ops[0].dim1} in ({1, 2}, {-1, -2})
+            and len(converter.source_patterns) == len(converter.target_patterns) == 1)
+
+
 class _KeyMapper:
-    """Checkpoint key → (parameter name, the converter that merges it, its matched source pattern)."""
+    """Checkpoint key → (parameter name, the converter that merges it, its matched source pattern). A fused
+    experts tensor that the family transposes on load has no converter here: it is read as stored (see
+    `hold_experts_as_stored`)."""
 
     def __init__(self, model: nn.Module) -> None:
         transforms = get_model_conversion_mapping(model)
@@ -389,6 +436,7 @@ class _KeyMapper:
         # name → tensor (not None: transformers adds or strips the base model's prefix only for names it finds
         # with a value, e.g. Llama 4's `language_model.` of a multimodal checkpoint read as its text model)
         self.names = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.modules = dict(model.named_modules())
 
     def map(self, key: str) -> tuple[str, WeightConverter | None, str | None]:
         target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.names)
@@ -397,7 +445,15 @@ class _KeyMapper:
         if pattern is None:
             return target, None, None
         converter = next(c for c in self.converters if pattern in c.source_patterns)
+        if _is_expert_transpose(converter) and self.is_held_as_stored(target):
+            return target, None, None
         return target, converter, pattern
+
+    def is_held_as_stored(self, target: str) -> bool:
+        """Whether `target` is a parameter of an experts module (which reads its fused tensors as stored)."""
+        owner, _, name = target.rpartition(".")
+        module = self.modules.get(owner)
+        return module is not None and is_interface_experts(module) and name in module._parameters
 
 
 def check_expert_converter(converter: WeightConverter, key: str) -> None:

@@ -43,7 +43,7 @@ from engine.api import (
     Usage,
 )
 from engine.chat_messages import fold_late_system_messages, prepare_messages, template_info
-from engine.chat_template import ChatTemplate, read_chat_template
+from engine.chat_template import ChatTemplate, processor_chat_template, read_chat_template
 from engine.checkpoint import checkpoint_digest, published_format, read_config_dict, resolve_model_path
 from engine.config import EngineConfig
 from engine.constraint import GrammarConstraint, GrammarTokenizer, check_grammar
@@ -134,7 +134,7 @@ class Engine:
         quant = _quant_request(config, folder, device)
         loaded = load_offloaded_model(folder, device, dtype, sizing, config.policy, quant, config.max_model_len)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        use_chat_template(tokenizer, chat_template)
+        use_chat_template(tokenizer, chat_template, folder)
         engine = cls(loaded, tokenizer, config, device)
         engine.warm_up()  # before the EAMC, trace and prefetcher are attached: it leaves no record there
         engine._attach_cache_features()
@@ -716,14 +716,18 @@ def _prefix_host_tier(config: EngineConfig, device: torch.device) -> HostTier | 
     return HostTier(capacity, device)
 
 
-def use_chat_template(tokenizer, override: ChatTemplate | None) -> None:
+def use_chat_template(tokenizer, override: ChatTemplate | None, folder: Path | None = None) -> None:
     """Sets `override` on the tokenizer, the one source every user of the template reads (prompts, the
-    tool and reasoning parsers' auto-detection, Ollama's /api/show); logs which template is in use."""
+    tool and reasoning parsers' auto-detection, Ollama's /api/show), or where the tokenizer has none, the template
+    a multimodal model keeps with its processor in `folder`; logs which template is in use."""
     if override is not None:
         tokenizer.chat_template = override.text
         log.info("chat template: %s (--chat-template), in place of the model's own", override.origin)
     elif getattr(tokenizer, "chat_template", None):
         log.info("chat template: the model's own")
+    elif folder is not None and (processor_template := processor_chat_template(folder)):
+        tokenizer.chat_template = processor_template
+        log.info("chat template: the model's own, from its processor's settings")
     else:
         log.info("chat template: none (the model has none; --chat-template can give one)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 import cache.sparsity_aware  # noqa: F401  (registers the sparsity-aware policy)
 from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
@@ -42,6 +42,7 @@ from engine.checkpoint import (
     Location,
     expert_parts,
     expert_segments,
+    hold_experts_as_stored,
     published_format,
     read_config_dict,
     read_location,
@@ -51,6 +52,7 @@ from engine.gguf_experts import GGUFExperts, gguf_experts
 from engine.host_memory import available_ram_bytes
 from engine.kv_budget import ContextNeed
 from engine.moe_layers import MoELayer, find_moe_layers, top_k_of
+from engine.multimodal import build_text_model
 from engine.offloaded_experts import OffloadedExperts
 
 log = logging.getLogger(__name__)
@@ -109,8 +111,9 @@ def load_offloaded_model(
     fmt = published_format(read_config_dict(folder), folder / "config.json")  # refuses what cannot be served
     config = AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):  # buffers built at init (Gemma's embedding scale) in `dtype`
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = build_text_model(config, dtype)
     model.eval()
+    hold_experts_as_stored(folder, model)
 
     moe_layers = find_moe_layers(model)
     if not moe_layers:

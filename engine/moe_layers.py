@@ -22,7 +22,7 @@ from torch import nn
 
 from cache.host_store import ExpertLayout
 from cache.safetensors_index import CheckpointError
-from engine import llama4_moe
+from engine import llama4_moe, multimodal
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INTERFACE_ATTRS = ("is_transposed", "is_concatenated", "has_gate", "has_bias")
@@ -163,9 +163,10 @@ def _router_of(parent: nn.Module, experts: nn.Module) -> nn.Module | None:
 
 @functools.cache
 def interface_families() -> tuple[str, ...]:
-    """Causal-LM model types whose modeling code marks an experts module with the interface
-    (read from the installed transformers, so a new family shows up without a change here), and Llama 4's,
-    whose blocks are rebuilt on it (`engine.llama4_moe`)."""
+    """Model types whose modeling code marks an experts module with the interface (read from the installed
+    transformers, so a new family shows up without a change here): causal LMs, and those transformers builds
+    only as image-text-to-text models, served as their text model (`engine.multimodal`); and Llama 4's, whose
+    blocks are rebuilt on it (`engine.llama4_moe`)."""
     import transformers
     from transformers.models.auto.configuration_auto import model_type_to_module_name
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -176,5 +177,5 @@ def interface_families() -> tuple[str, ...]:
         for path in models.glob("*/modeling_*.py")
         if "@use_experts_implementation" in path.read_text(encoding="utf-8")
     }
-    return tuple(sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-                        if model_type_to_module_name(t) in marked or t in llama4_moe.FAMILIES))
+    types = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *multimodal.image_text_types()}
+    return tuple(sorted(t for t in types if model_type_to_module_name(t) in marked or t in llama4_moe.FAMILIES))
