@@ -302,6 +302,11 @@ def test_trailing_blanks_of_plain_content_are_kept():
     ("List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>", "qwen3_moe", "lfm2"),
     ("{{ tools }}", "lfm2_moe", "lfm2"),
     ("{{ tools }}", "qwen2_moe", "hermes"),
+    ("{{ tools }}", "qwen3_vl_moe", "hermes"),  # multimodal models: their language model's format
+    ("{{ tools }}", "glm4v_moe", "glm45"),
+    ("{{ tools }}", "kimi_k25", "kimi_k2"),
+    ("{{ tools }}", "mistral3", "mistral"),
+    ("{{ tools }}", "mistral_large4", "mistral"),
     ("{{ tools }}", "olmoe", None),
 ])
 def test_parser_detected_from_template_then_model_type(source, model_type, expected):

@@ -53,6 +53,9 @@ _MODEL_TYPES = {
     "granite": "granite", "granitemoe": "granite", "granitemoeshared": "granite", "lfm2": "lfm2", "lfm2_moe": "lfm2",
     "granitemoehybrid": "hermes",  # Granite 4 writes Qwen's <tool_call> blocks
     "hunyuan_v1_moe": "hunyuan",
+    # multimodal models served as their text model: their language model's format
+    "qwen3_vl_moe": "hermes", "glm4v_moe": "glm45", "kimi_k25": "kimi_k2", "mistral3": "mistral", "mistral4": "mistral",
+    "mistral_large4": "mistral",
 }
 
 
