@@ -207,7 +207,7 @@ FLAGS: tuple[Flag, ...] = (
          "auto picks by the chat template, else the model type", choices=PARSER_NAMES),
     Flag("--reasoning-parser", ServerConfig, str, "how a reasoning model's thinking is read out of its output "
          "into `reasoning_content`: think (<think>...</think>), harmony (GPT-OSS channels), gemma4 "
-         "(<|channel>thought...<channel|>), none (left in the "
+         "(<|channel>thought...<channel|>), hunyuan, mistral ([THINK]...[/THINK]), none (left in the "
          "content); auto picks by the chat template, else the model type", choices=REASONING_PARSERS),
     Flag("--reasoning-budget", ServerConfig, int, "the most tokens a thinking model may write in its "
          "<think>...</think> block; then the server closes the block and the model answers. -1: unlimited, "

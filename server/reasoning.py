@@ -27,15 +27,16 @@ from engine.api import ChatTemplateInfo, SamplingParams
 from server.tool_parsers import Piece, ToolCallStream
 from server.tool_parsers.stream import first_marker, partial_marker
 
-REASONING_PARSERS = ("auto", "none", "think", "harmony", "gemma4", "hunyuan")
+REASONING_PARSERS = ("auto", "none", "think", "harmony", "gemma4", "hunyuan", "mistral")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MISTRAL_OPEN, MISTRAL_CLOSE = "[THINK]", "[/THINK]"  # Magistral's and Mistral Small 4's control tokens
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL = "<|channel>", "<channel|>", "thought"  # not harmony's <|channel|>
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # Hunyuan-A13B's wrapper around the answer
 HUNYUAN_MODEL_TYPES = ("hunyuan_v1_moe",)
 # a block up front
 BLOCK_MARKERS = {"think": (THINK_OPEN, THINK_CLOSE), "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE),
-                 "hunyuan": (THINK_OPEN, THINK_CLOSE)}
+                 "hunyuan": (THINK_OPEN, THINK_CLOSE), "mistral": (MISTRAL_OPEN, MISTRAL_CLOSE)}
 MESSAGE = "<|message|>"
 HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
 PROMPT_TAIL_TOKENS = 8  # enough to see whether the template ended the prompt with `<think>`
@@ -63,6 +64,8 @@ def detect_reasoning(info: ChatTemplateInfo) -> str | None:
         return "hunyuan"
     if THINK_OPEN in info.source or THINK_CLOSE in info.source:
         return "think"
+    if MISTRAL_OPEN in info.source or MISTRAL_CLOSE in info.source:
+        return "mistral"
     return None
 
 
@@ -307,7 +310,7 @@ def _add_reasoning(out: list[Part], text: str) -> None:
 class ReasoningPlan:
     """How one response's output is read for reasoning."""
 
-    format: str | None = None  # "think", "harmony", "gemma4" or "hunyuan"; None: the answer as written
+    format: str | None = None  # "think", "harmony", "gemma4", "hunyuan" or "mistral"; None: the answer as written
     opened_in_prompt: bool = False  # think, gemma4: the template opened the block, the output starts inside it
     needs_special_tokens: bool = False  # the format's markers are special tokens the decoder would drop
     grammar_after: int | None = None  # the token (`</think>`) after which the request's grammar holds
@@ -327,6 +330,8 @@ class ReasoningPlan:
             return ThinkStream(self.opened_in_prompt, GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_LABEL)
         if self.format == "hunyuan":
             return ThinkStream(self.opened_in_prompt, wrapped=(ANSWER_OPEN, ANSWER_CLOSE))
+        if self.format == "mistral":
+            return ThinkStream(self.opened_in_prompt, MISTRAL_OPEN, MISTRAL_CLOSE)
         return None
 
     def token_counter(self) -> ReasoningTokens | None:

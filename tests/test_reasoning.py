@@ -82,6 +82,18 @@ CASES = [
     ("hunyuan", False, None, "<answer>Use the </ans tag</answer>", "", "Use the </ans tag", []),
     ("hunyuan", False, "hunyuan", '<think>Weather.</think>\n<answer>\n<tool_calls>[{"name": "get_weather", '
      '"arguments": {"city": "Paris"}}]</tool_calls>\n</answer>', "Weather.", "", [("get_weather", {"city": "Paris"})]),
+    # Magistral, Mistral Small 4: control tokens, kept in the text read here
+    ("mistral", False, None, "[THINK]Add two and two.[/THINK]It is 4.", "Add two and two.", "It is 4.", []),
+    ("mistral", False, None, "[THINK]\nAdd.\n[/THINK]\n\nIt is 4.", "Add.", "It is 4.", []),
+    ("mistral", False, None, "It is 4.", "", "It is 4.", []),  # reasoning off: no block
+    ("mistral", False, None, "[THINK]Still thinking when max_tokens ran out", "Still thinking when max_tokens ran out",
+     "", []),
+    ("mistral", False, None, "Write [THINK] and [/THINK].", "", "Write [THINK] and [/THINK].", []),
+    ("mistral", False, None, "[THI", "", "[THI", []),
+    ("mistral", False, "mistral", '[THINK]I need the weather.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+     "I need the weather.", "", [("get_weather", {"city": "Paris"})]),
+    ("mistral", False, "mistral", '[THINK]Maybe [TOOL_CALLS]get_weather[ARGS]{}[/THINK]Done.',
+     "Maybe [TOOL_CALLS]get_weather[ARGS]{}", "Done.", []),
 ]
 
 
@@ -145,6 +157,8 @@ TOKEN_CASES = [
     ("gemma4", False, ["<|channel>", "thought", "\n", "Add", ".", "<channel|>", "It", " is", " 4."], 6),
     ("gemma4", False, ["<|channel>", "thought", "\n", "Hm"], 4),
     ("gemma4", False, ["It", " is", " 4."], 0),
+    ("mistral", False, ["[THINK]", "Add", ".", "[/THINK]", "It", " is", " 4."], 4),
+    ("mistral", False, ["It", " is", " 4."], 0),
 ]
 
 
@@ -175,6 +189,8 @@ THINK_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %
     ("{{ '<|start|>assistant<|channel|>' }}", "gemma4", "harmony"),  # harmony's marker is not Gemma 4's
     ("{{ '<think>\n' + thought + '\n</think>\n<answer>\n' + answer + '\n</answer>' }}", "qwen3_moe", "hunyuan"),
     ("", "hunyuan_v1_moe", "hunyuan"),
+    ("{%- if chunk.type == 'thinking' %}{{ '[THINK]' + chunk.thinking + '[/THINK]' }}", "mistral3", "mistral"),
+    ("{{ '[INST]' + content + '[/INST]' }}", "mistral3", None),  # Mistral Small 3.1: no thinking
 ])
 def test_the_format_is_detected_from_the_template_else_the_model_type(source, model_type, expected):
     assert detect_reasoning(ChatTemplateInfo(True, source, model_type)) == expected
@@ -235,6 +251,19 @@ def test_gemma4_thinking_keeps_its_special_tokens_takes_a_budget_and_a_grammar_a
     as_text = TailEngine(GEMMA4_TEMPLATE, "<|turn>model\n", markers=("<|channel>", "<channel|>"))
     as_text.tokenizer.added_tokens_decoder = {}  # markers that are not single tokens: no budget to hold
     assert plan_reasoning("auto", as_text, SamplingParams(), [1], budget=64).budget_ignored
+
+
+MISTRAL_TEMPLATE = "{{ '[THINK]' + thinking + '[/THINK]' if thinking }}{{ content }}"
+
+
+def test_mistral_thinking_keeps_its_control_tokens_and_takes_a_budget():
+    engine = TailEngine(MISTRAL_TEMPLATE, "[INST]Hi[/INST]", think_special=True, markers=("[THINK]", "[/THINK]"))
+    plan = plan_reasoning("auto", engine, SamplingParams(), [1], budget=32)
+    assert (plan.format, plan.opened_in_prompt, plan.needs_special_tokens) == ("mistral", False, True)
+    assert (plan.thinking_budget, plan.thinking_open, plan.thinking_close) == (32, 7, 8)
+    assert not plan.sampling_params(SamplingParams()).skip_special_tokens
+    opened = TailEngine(MISTRAL_TEMPLATE, "[INST]Hi[/INST][THINK]", think_special=True, markers=("[THINK]", "[/THINK]"))
+    assert plan_reasoning("auto", opened, SamplingParams(), [1]).opened_in_prompt
 
 
 def test_under_a_grammar_a_block_opened_in_the_prompt_is_thought_freely_then_the_grammar_holds():
