@@ -30,7 +30,6 @@ from accelerate import init_empty_weights
 from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -46,6 +45,7 @@ from transformers import (
     JambaConfig,
     Lfm2MoeConfig,
     Llama4TextConfig,
+    Mistral4Config,
     MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
@@ -77,6 +77,7 @@ from engine.gguf_qwen3next import Qwen3NextNames, qwen3next_config
 from engine.gguf_sources import split_parts
 from engine.gguf_tokenizer import apply_file_split_rule, load_gguf_tokenizer
 from engine.moe_layers import find_moe_layers, interface_families
+from engine.multimodal import build_text_model
 from engine.paths import default_gguf_folder
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 # `gptoss`: Ollama's GPT-OSS, read as llama.cpp's `gpt-oss`, `engine.gguf_ollama`)
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
-                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH)
+                   "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH,
+                   "mistral4")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH)
+                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
@@ -121,6 +123,7 @@ TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"),  # GPT-OSS: a final an
                    "llama4_text": ("<|eot|>", "<|eom|>")}  # Llama 4: a turn's end, a message awaiting a tool's result
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
+MISTRAL4_SCALING_BETA = 0.1  # Mistral Small 4's `llama_4_scaling_beta` (and transformers' default for the family)
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
 # biases where the family has them (GPT-OSS); gate and up fused as the model holds them (Gemma 4's `ffn_gate_up_exps`)
 EXPERT_TENSOR = re.compile(
@@ -201,7 +204,7 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     check_free_space(out.parent, sum(int(t.n_elements) * storage_dtype(t).itemsize for t, _ in tensors
                                      if not EXPERT_TENSOR.fullmatch(t.name)), "converting this GGUF file")
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
+        model = build_text_model(config, config.dtype)  # Mistral 4's causal LM: only as transformers' multimodal kind
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
     names_arch = "gpt-oss" if arch == gguf_ollama.ARCH else arch
@@ -489,8 +492,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
                               f"{', '.join(CONVERTED_ARCHS)}); serve the model's Hugging Face checkpoint instead")
     if arch in ("gpt-oss", gguf_ollama.ARCH):  # transformers' GGUF reader fails on its YaRN keys
         return gpt_oss_config(reader, arch)
-    if arch == "deepseek2":  # transformers reads no config of these two
-        return deepseek2_config(reader)
+    if arch in ("deepseek2", "mistral4"):  # transformers reads no config of these; Mistral 4 is DeepSeek's layout
+        return deepseek2_config(reader, arch)
     if arch == "glm4moe":
         return glm4moe_config(reader, tensor_names)
     if arch == "gemma4":  # transformers reads neither its experts nor its rotary settings
@@ -573,12 +576,13 @@ def gpt_oss_config(reader, arch: str = "gpt-oss") -> GptOssConfig:
         rope_parameters=rope)
 
 
-def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
+def deepseek2_config(reader, arch: str = "deepseek2") -> DeepseekV2Config | DeepseekV3Config | Mistral4Config:
     """DeepSeek-V2 or -V3 (and the models llama.cpp writes in their layout) from its `deepseek2` keys: a sigmoid
     router (gating function 2) is V3's, with its correction bias; a softmax one V2's. Files since 2025 describe
     attention in MLA's absorbed form (one KV head of `kv_lora + rope` dimensions); the model's own head sizes are
-    then the `*_mla` keys."""
-    key = arch_keys(reader, "deepseek2")
+    then the `*_mla` keys. `mistral4` (Mistral Small 4) is written by llama.cpp as DeepSeek-V2 under its own name:
+    read as Mistral 4, whose queries are also scaled beyond the original context (Llama 4's scaling)."""
+    key = arch_keys(reader, arch)
     rope_dim, heads = int(key("rope.dimension_count")), int(key("attention.head_count"))
     mla = key("attention.key_length_mla") is not None
     qk_head = int(key("attention.key_length_mla" if mla else "attention.key_length"))
@@ -596,6 +600,9 @@ def deepseek2_config(reader) -> DeepseekV2Config | DeepseekV3Config:
         q_lora_rank=int(q_lora_rank or 0) or None, kv_lora_rank=int(key("attention.kv_lora_rank")),
         qk_rope_head_dim=rope_dim, head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim,
         v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")), rope_parameters=rope)
+    if arch == "mistral4":  # llama.cpp writes no Llama 4 scaling for it: Mistral's own 0.1 where the file has none
+        rope["llama_4_scaling_beta"] = float(key("attention.temperature_scale", MISTRAL4_SCALING_BETA))
+        return Mistral4Config(**(common | {"head_dim": qk_head}))  # its head: nope + rope, rotary on the rope part
     if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
         return DeepseekV3Config(**common)
     return DeepseekV2Config(**common, topk_method="group_limited_greedy" if common["n_group"] > 1 else "greedy")

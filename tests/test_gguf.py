@@ -249,7 +249,7 @@ def test_mxfp4_experts_are_kept_as_the_file_holds_them(family, tmp_path):
     assert engine.loaded.host.bytes_per_expert * 5 < as_float.loaded.host.bytes_per_expert
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "mistral4"])
 def test_a_deepseek_file_in_mlas_absorbed_form_is_served(family, tmp_path, caplog):
     """llama.cpp writes DeepSeek's attention since 2025 for MLA's absorbed form: `kv_b_proj` split into `attn_k_b`
     (transposed per head) and `attn_v_b`, one KV head of kv_lora + rope dimensions; joined again here."""
