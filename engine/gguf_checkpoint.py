@@ -37,6 +37,7 @@ from transformers import (
     Gemma4TextConfig,
     GenerationConfig,
     Glm4MoeConfig,
+    GlmMoeDsaConfig,
     GptOssConfig,
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
@@ -91,10 +92,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
                    "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH,
-                   "mistral4")
+                   "mistral4", "glm-dsa")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
-                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4")
+                    "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4",
+                    "glm-dsa")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
@@ -124,6 +126,13 @@ TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"),  # GPT-OSS: a final an
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
 MISTRAL4_SCALING_BETA = 0.1  # Mistral Small 4's `llama_4_scaling_beta` (and transformers' default for the family)
+# the `glm-dsa.*` keys GLM-5's config is read from, all of which llama.cpp's converter writes and its loader requires
+GLM_DSA_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                "expert_feed_forward_length", "expert_count", "expert_used_count", "attention.head_count",
+                "attention.layer_norm_rms_epsilon", "attention.q_lora_rank", "attention.kv_lora_rank",
+                "attention.key_length", "attention.value_length", "rope.dimension_count",
+                "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k")
+GLM_5_2_CONTEXT = 1 << 20  # llama.cpp takes a file of this context or more that names no indexer types for GLM-5.2
 # a layer's experts merged (`ffn_gate_exps`), or one tensor per expert (`ffn_gate.3`: files from before 2024); their
 # biases where the family has them (GPT-OSS); gate and up fused as the model holds them (Gemma 4's `ffn_gate_up_exps`)
 EXPERT_TENSOR = re.compile(
@@ -494,6 +503,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return gpt_oss_config(reader, arch)
     if arch in ("deepseek2", "mistral4"):  # transformers reads no config of these; Mistral 4 is DeepSeek's layout
         return deepseek2_config(reader, arch)
+    if arch == "glm-dsa":
+        return glm_dsa_config(source, reader)
     if arch == "glm4moe":
         return glm4moe_config(reader, tensor_names)
     if arch == "gemma4":  # transformers reads neither its experts nor its rotary settings
@@ -578,11 +589,26 @@ def gpt_oss_config(reader, arch: str = "gpt-oss") -> GptOssConfig:
 
 def deepseek2_config(reader, arch: str = "deepseek2") -> DeepseekV2Config | DeepseekV3Config | Mistral4Config:
     """DeepSeek-V2 or -V3 (and the models llama.cpp writes in their layout) from its `deepseek2` keys: a sigmoid
-    router (gating function 2) is V3's, with its correction bias; a softmax one V2's. Files since 2025 describe
-    attention in MLA's absorbed form (one KV head of `kv_lora + rope` dimensions); the model's own head sizes are
-    then the `*_mla` keys. `mistral4` (Mistral Small 4) is written by llama.cpp as DeepSeek-V2 under its own name:
-    read as Mistral 4, whose queries are also scaled beyond the original context (Llama 4's scaling)."""
+    router (gating function 2) is V3's, with its correction bias; a softmax one V2's. `mistral4` (Mistral Small 4) is
+    written by llama.cpp as DeepSeek-V2 under its own name: read as Mistral 4, whose queries are also scaled beyond the
+    original context (Llama 4's scaling)."""
     key = arch_keys(reader, arch)
+    common = _mla_keys(reader, key)
+    if arch == "mistral4":  # llama.cpp writes no Llama 4 scaling for it: Mistral's own 0.1 where the file has none
+        common["rope_parameters"]["llama_4_scaling_beta"] = float(
+            key("attention.temperature_scale", MISTRAL4_SCALING_BETA))
+        qk_head = common["qk_nope_head_dim"] + common["qk_rope_head_dim"]
+        return Mistral4Config(**(common | {"head_dim": qk_head}))  # its head: nope + rope, rotary on the rope part
+    if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
+        return DeepseekV3Config(**common)
+    return DeepseekV2Config(**common, topk_method="group_limited_greedy" if common["n_group"] > 1 else "greedy")
+
+
+def _mla_keys(reader, key: Callable[..., Any]) -> dict[str, Any]:
+    """The settings of DeepSeek's MLA attention (and its MoE, `_deepseek_style_keys`) as llama.cpp writes them for
+    every model of that layout (`key`: the file's `arch_keys`), YaRN included. Files since 2025 describe attention in
+    MLA's absorbed form (one KV head of `kv_lora + rope` dimensions); the model's own head sizes are then the `*_mla`
+    keys."""
     rope_dim, heads = int(key("rope.dimension_count")), int(key("attention.head_count"))
     mla = key("attention.key_length_mla") is not None
     qk_head = int(key("attention.key_length_mla" if mla else "attention.key_length"))
@@ -595,17 +621,46 @@ def deepseek2_config(reader, arch: str = "deepseek2") -> DeepseekV2Config | Deep
                  "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale,
                  "mscale_all_dim": mscale}
     q_lora_rank = key("attention.q_lora_rank")  # none (Ollama's files: 0): queries projected at once (V2-Lite)
-    common = dict(
+    return dict(
         **_deepseek_style_keys(reader, key), num_attention_heads=heads, num_key_value_heads=heads,
         q_lora_rank=int(q_lora_rank or 0) or None, kv_lora_rank=int(key("attention.kv_lora_rank")),
         qk_rope_head_dim=rope_dim, head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim,
         v_head_dim=int(key("attention.value_length_mla" if mla else "attention.value_length")), rope_parameters=rope)
-    if arch == "mistral4":  # llama.cpp writes no Llama 4 scaling for it: Mistral's own 0.1 where the file has none
-        rope["llama_4_scaling_beta"] = float(key("attention.temperature_scale", MISTRAL4_SCALING_BETA))
-        return Mistral4Config(**(common | {"head_dim": qk_head}))  # its head: nope + rope, rotary on the rope part
-    if int(key("expert_gating_func", SOFTMAX_GATING)) == SIGMOID_GATING:
-        return DeepseekV3Config(**common)
-    return DeepseekV2Config(**common, topk_method="group_limited_greedy" if common["n_group"] > 1 else "greedy")
+
+
+def glm_dsa_config(source: Path, reader) -> GlmMoeDsaConfig:
+    """GLM-5 (and 5.1, 5.2) from llama.cpp's `glm-dsa` keys, which its converter writes as for DeepSeek-V3 (MLA in
+    the absorbed form, the sigmoid router with its correction bias, a shared expert, dense layers first, the
+    multi-token-prediction block last) with the sparse attention's indexer beside them: its heads, head size and
+    top-k, and which layers run it (`_indexer_types`)."""
+    key = arch_keys(reader, "glm-dsa")
+    missing = [name for name in GLM_DSA_KEYS if key(name) is None]
+    if missing:
+        raise CheckpointError(f"{source}: the GLM-DSA file lacks the keys {', '.join(f'glm-dsa.{n}' for n in missing)}"
+                              f", which GLM-5's config is read from")
+    if int(key("expert_gating_func", SIGMOID_GATING)) != SIGMOID_GATING:  # llama.cpp's default for the family
+        raise CheckpointError(f"{source}: a GLM-DSA file whose router is not sigmoid (`glm-dsa.expert_gating_func` "
+                              f"{key('expert_gating_func')}), which GLM-5's model cannot run")
+    common = _mla_keys(reader, key)
+    return GlmMoeDsaConfig(
+        **common, index_n_heads=int(key("attention.indexer.head_count")),
+        index_head_dim=int(key("attention.indexer.key_length")), index_topk=int(key("attention.indexer.top_k")),
+        indexer_types=_indexer_types(source, key, common["num_hidden_layers"]))
+
+
+def _indexer_types(source: Path, key: Callable[..., Any], layers: int) -> list[str]:
+    """Which layers run their own indexer (`full`) and which reuse the top-k of the last one that did (`shared`), as
+    `attention.indexer.types` says (true: full); where a file names none, as llama.cpp reads it: every layer full
+    (GLM-5, 5.1), or from a context of 2^20 on GLM-5.2's pattern (the first three full, then every fourth)."""
+    types = key("attention.indexer.types")
+    if types is None:
+        glm_5_2 = int(key("context_length")) >= GLM_5_2_CONTEXT
+        return ["full" if not glm_5_2 or i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(layers)]
+    full = [t in (True, "full") for t in (types if isinstance(types, list) else [types] * layers)]
+    if len(full) != layers or not full[0]:  # a shared layer reuses an earlier full layer's choice
+        raise CheckpointError(f"{source}: `glm-dsa.attention.indexer.types` names {len(full)} layers, the first "
+                              f"{'full' if full[:1] == [True] else 'shared'}; the model has {layers}, the first full")
+    return ["full" if f else "shared" for f in full]
 
 
 def glm4moe_config(reader, tensor_names: set[str]) -> Glm4MoeConfig:

@@ -179,9 +179,10 @@ def test_a_gemma4_files_fused_quantized_experts_are_served_as_the_file_holds_the
         assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "glm_moe_dsa"])
 def test_a_file_with_a_multi_token_prediction_block_is_served_without_it(family, tmp_path, caplog):
-    """Qwen3.5's and GLM's files (GLM-4.7-Flash's in DeepSeek's layout) may end with a multi-token-prediction block."""
+    """Qwen3.5's and GLM's files (GLM-4.7-Flash's in DeepSeek's layout) may end with a multi-token-prediction block;
+    GLM-5's always do."""
     model = tiny_gguf_model(family, seed=9)
     path = write_gguf(model, tmp_path / "mtp.gguf", "Q8_0", mtp_block=True)
     assert "blk.2.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
@@ -249,10 +250,11 @@ def test_mxfp4_experts_are_kept_as_the_file_holds_them(family, tmp_path):
     assert engine.loaded.host.bytes_per_expert * 5 < as_float.loaded.host.bytes_per_expert
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "mistral4"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "mistral4", "glm_moe_dsa"])
 def test_a_deepseek_file_in_mlas_absorbed_form_is_served(family, tmp_path, caplog):
-    """llama.cpp writes DeepSeek's attention since 2025 for MLA's absorbed form: `kv_b_proj` split into `attn_k_b`
-    (transposed per head) and `attn_v_b`, one KV head of kv_lora + rope dimensions; joined again here."""
+    """llama.cpp writes DeepSeek's attention since 2025 (and GLM-5's always) for MLA's absorbed form: `kv_b_proj`
+    split into `attn_k_b` (transposed per head) and `attn_v_b`, one KV head of kv_lora + rope dimensions; joined
+    again here."""
     model = tiny_gguf_model(family, seed=13)
     path = write_gguf(model, tmp_path / "mla.gguf", "Q8_0", split_kv_b=True)
     assert "blk.0.attn_k_b.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
@@ -262,6 +264,40 @@ def test_a_deepseek_file_in_mlas_absorbed_form_is_served(family, tmp_path, caplo
     assert engine.loaded.config.model_type == family
     prompt_ids = engine.encode(PROMPT)
     assert greedy(engine, prompt_ids) == transformers_greedy(file_experts(path, model), prompt_ids)
+
+
+@pytest.mark.parametrize("types_written", [True, False])
+def test_a_glm_5_2_file_reuses_the_indexers_top_k_where_it_says(types_written, tmp_path):
+    """GLM-5.2 runs its indexer in the first three layers and every fourth after them, the others reusing the last
+    top-k: as the file's `indexer.types` says, or, where it names none (as llama.cpp's converter wrote GLM-5.2 from a
+    config.json that gives only the pattern's period), as llama.cpp reads a file of its context of 2^20 or more."""
+    model = tiny_gguf_model("glm_moe_dsa", seed=3, num_layers=4, max_position_embeddings=2**20,
+                            index_topk_freq=4, index_skip_topk_offset=3)
+    assert model.config.indexer_types == ["full", "full", "full", "shared"]
+    path = write_gguf(model, tmp_path / "glm-5.2.gguf")
+    if not types_written:
+        path = write_relabelled(path, tmp_path / "untyped.gguf", "glm-dsa", ("glm-dsa.attention.indexer.types",))
+    engine = assert_serves_tokens_of(path, model)
+    assert engine.loaded.config.indexer_types == model.config.indexer_types
+
+
+@pytest.mark.parametrize("left_out, keys, says", [
+    ("glm-dsa.attention.indexer.top_k", {}, r"lacks the keys glm-dsa\.attention\.indexer\.top_k, which GLM-5's"),
+    ("glm-dsa.attention.indexer.types", {"attention.indexer.types": [False, True]}, "names 2 layers, the first shared"),
+    ("blk.1.indexer.attn_k.weight", {}, r"no tensor for 1 parameters of glm_moe_dsa "
+                                        r"\(model\.layers\.1\.self_attn\.indexer\.wk\.weight\)"),
+])
+def test_a_glm_dsa_file_lacking_what_glm_5_needs_is_refused_by_name(left_out, keys, says, tmp_path, own_state_dir):
+    """A key GLM-5's config is read from, an indexer layout its model cannot run, or an indexer tensor missing."""
+    model = tiny_gguf_model("glm_moe_dsa")
+    if left_out.startswith("blk."):
+        path = write_gguf(model, tmp_path / "glm.gguf", leave_out=left_out)
+    else:
+        path = write_relabelled(write_gguf(model, tmp_path / "glm.gguf"), tmp_path / "broken.gguf", "glm-dsa",
+                                (left_out,), keys)
+    with pytest.raises(CheckpointError, match=says):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
 
 
 def test_a_gpt_oss_files_4_bit_experts_are_stored_on_its_own_grid(tmp_path):
