@@ -29,6 +29,7 @@ import torch
 from accelerate import init_empty_weights
 from safetensors.torch import save_file
 from transformers import (
+    AfmoeConfig,
     AutoConfig,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -92,11 +93,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
                    "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH,
-                   "mistral4", "glm-dsa")
+                   "mistral4", "glm-dsa", "afmoe")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
                     "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4",
-                    "glm-dsa")
+                    "glm-dsa", "afmoe")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
@@ -125,6 +126,10 @@ TURN_END_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"),  # GPT-OSS: a final an
                    "llama4_text": ("<|eot|>", "<|eom|>")}  # Llama 4: a turn's end, a message awaiting a tool's result
 DEQUANTIZE_THREADS = min(8, os.cpu_count() or 1)
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's `expert_gating_func`
+NEEDED = object()  # `arch_keys`: a key asked for without a default
+# llama.cpp's afmoe leaves every fourth layer unrotated (fixed in its graph) and, unless the file names another period,
+# attends in full there; transformers' AFMoE rotates exactly its sliding layers
+AFMOE_PERIOD = 4
 MISTRAL4_SCALING_BETA = 0.1  # Mistral Small 4's `llama_4_scaling_beta` (and transformers' default for the family)
 # the `glm-dsa.*` keys GLM-5's config is read from, all of which llama.cpp's converter writes and its loader requires
 GLM_DSA_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
@@ -513,6 +518,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return ernie4_5_moe_config(reader, tensor_names)
     if arch == "dots1":
         return dots1_config(reader)
+    if arch == "afmoe":
+        return afmoe_config(source, reader)
     if arch == "llama4":
         return llama4_config(source, reader)
     if arch == "olmoe":
@@ -553,12 +560,17 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
     return config
 
 
-def arch_keys(reader, arch: str) -> Callable[..., Any]:
-    """`key(name, default=None)`: the value of the file's `{arch}.{name}`, or `default` where it has none."""
+def arch_keys(reader, arch: str, source: Path | None = None) -> Callable[..., Any]:
+    """`key(name, default=None)`: the value of the file's `{arch}.{name}`, or `default` where it has none; given the
+    file's `source`, a key asked for without a default is needed, and a file without it is refused by its name."""
 
-    def key(name: str, default=None):
+    def key(name: str, default=NEEDED):
         field = reader.fields.get(f"{arch}.{name}")
-        return default if field is None else field.contents()
+        if field is not None:
+            return field.contents()
+        if default is NEEDED and source is not None:
+            raise CheckpointError(f"{source}: the GGUF file has no `{arch}.{name}`, which its model needs")
+        return None if default is NEEDED else default
 
     return key
 
@@ -720,6 +732,67 @@ def dots1_config(reader) -> Dots1Config:
         **_deepseek_style_keys(reader, key), num_attention_heads=int(key("attention.head_count")),
         num_key_value_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base"))})
+
+
+def afmoe_config(source: Path, reader) -> AfmoeConfig:
+    """Arcee's Trinity models (Trinity-Mini 26B-A3B, -Nano 6B-A1B) from llama.cpp's `afmoe` keys: dense layers first,
+    then a sigmoid router with its correction bias and shared experts beside it; attention with q/k norms and a
+    sigmoid gate on its output, sliding with rotary on three layers of four, full without on the fourth; embeddings
+    scaled by the square root of the width (muP), which llama.cpp does for every afmoe file."""
+    key = arch_keys(reader, "afmoe", source)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise CheckpointError(f"{source}: the GGUF file has no vocabulary (`tokenizer.ggml.tokens`)")
+    sizes = _sizes(key, reader)
+    head_dim = int(key("attention.key_length", sizes["hidden_size"] // sizes["num_attention_heads"]))
+    _check_afmoe_router(source, key)
+    return AfmoeConfig(
+        **sizes, head_dim=head_dim, intermediate_size=int(key("feed_forward_length")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        num_dense_layers=int(key("leading_dense_block_count", 0)), num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")), num_shared_experts=int(key("expert_shared_count")),
+        route_scale=float(key("expert_weights_scale", 0.0)) or 1.0,  # llama.cpp leaves 0 (or none) unscaled
+        layer_types=_afmoe_layer_types(source, key, sizes["num_hidden_layers"]),
+        global_attn_every_n_layers=AFMOE_PERIOD, sliding_window=int(key("attention.sliding_window")), mup_enabled=True,
+        rope_parameters=_afmoe_rope(source, key, head_dim))
+
+
+def _check_afmoe_router(source: Path, key: Callable[..., Any]) -> None:
+    """transformers' AFMoE scores every expert by a sigmoid, in no groups, and renormalises the top-k weights: a file
+    whose router llama.cpp would run otherwise is refused by the key that says so."""
+    if (key("expert_gating_func", 0) or SIGMOID_GATING) != SIGMOID_GATING:  # none: llama.cpp's sigmoid
+        raise CheckpointError(f"{source}: its router does not score by a sigmoid (`afmoe.expert_gating_func`), the "
+                              f"only way transformers' AFMoE scores")
+    if not key("expert_weights_norm", False):
+        raise CheckpointError(f"{source}: its router's top-k weights are not renormalised (`afmoe.expert_weights_norm` "
+                              f"false or absent), which transformers' AFMoE always does")
+    if int(key("expert_group_count", 1)) > 1:
+        raise CheckpointError(f"{source}: its router picks experts in groups (`afmoe.expert_group_count`), which "
+                              f"transformers' AFMoE does not")
+
+
+def _afmoe_rope(source: Path, key: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+    """Unscaled rotary over the whole head, which is all transformers' AFMoE has; only sliding layers rotate, so
+    theirs is the base where the file gives one."""
+    if key("rope.scaling.type", "none") != "none":
+        raise CheckpointError(f"{source}: its rotary is scaled (`afmoe.rope.scaling.type` {key('rope.scaling.type')}"
+                              f"), which moe-serve does not read for afmoe")
+    if (rotated := int(key("rope.dimension_count", head_dim))) != head_dim:
+        raise CheckpointError(f"{source}: its rotary turns {rotated} of each head's {head_dim} dimensions "
+                              f"(`afmoe.rope.dimension_count`); transformers' AFMoE turns them all")
+    return {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", key("rope.freq_base", 10000.0)))}
+
+
+def _afmoe_layer_types(source: Path, key: Callable[..., Any], layers: int) -> list[str]:
+    """Sliding layers but every fourth, full, as llama.cpp runs a file with a window and no other period."""
+    if not key("attention.sliding_window", 0):
+        raise CheckpointError(f"{source}: an afmoe file without a sliding window (`afmoe.attention.sliding_window`): "
+                              f"llama.cpp then attends in full on the layers it rotates, which transformers' AFMoE "
+                              f"cannot describe")
+    if (period := key("attention.sliding_window_pattern", AFMOE_PERIOD)) != AFMOE_PERIOD:
+        raise CheckpointError(f"{source}: its full attention layers come every {period} (`afmoe.attention"
+                              f".sliding_window_pattern`), its unrotated ones every {AFMOE_PERIOD}; transformers' "
+                              f"AFMoE has them the same")
+    return ["full_attention" if (i + 1) % AFMOE_PERIOD == 0 else "sliding_attention" for i in range(layers)]
 
 
 def ernie4_5_moe_config(reader, tensor_names: set[str]) -> Ernie4_5_MoeConfig:

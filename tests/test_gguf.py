@@ -628,6 +628,24 @@ def test_a_file_missing_a_tensor_is_refused_before_anything_is_written(tmp_path,
     assert converted_folders() == []
 
 
+@pytest.mark.parametrize("key, tensor, says", [
+    ("afmoe.expert_shared_count", None, r"has no `afmoe.expert_shared_count`, which its model needs"),
+    ("afmoe.attention.sliding_window", None, r"without a sliding window \(`afmoe.attention.sliding_window`\)"),
+    ("afmoe.expert_weights_norm", None, r"not renormalised \(`afmoe.expert_weights_norm` false or absent\)"),
+    (None, "blk.1.attn_gate.weight", r"no tensor for 1 parameters of afmoe \(model.layers.1.self_attn.gate_proj"),
+])
+def test_an_afmoe_file_lacking_what_its_model_needs_is_refused_by_name(key, tensor, says, tmp_path, own_state_dir):
+    """A Trinity file without a key its model needs (one llama.cpp requires, or one without which llama.cpp would run
+    another model than transformers' AFMoE: no window, no renormalised routing) or without a tensor is refused,
+    naming what it lacks."""
+    path = write_gguf(tiny_gguf_model("afmoe"), tmp_path / "llama-cpp.gguf", leave_out=tensor)
+    if key:
+        path = write_relabelled(path, tmp_path / "hole.gguf", "afmoe", (key,))
+    with pytest.raises(CheckpointError, match=says):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
+
+
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, own_state_dir):
     path = write_gguf(tiny_gguf_model("qwen3_moe"), tmp_path / "whole.gguf")
     cut = tmp_path / "cut.gguf"
