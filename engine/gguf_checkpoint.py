@@ -65,7 +65,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from cache.quant_store import check_free_space
 from cache.safetensors_index import CheckpointError
-from engine import gguf_nemotron_h, gguf_ollama
+from engine import gguf_kimi_linear, gguf_nemotron_h, gguf_ollama
 from engine.gguf_experts import (
     MARKER,
     ExpertTensor,
@@ -93,11 +93,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
                    "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH,
-                   "mistral4", "glm-dsa", "afmoe")
+                   "mistral4", "glm-dsa", "afmoe", gguf_kimi_linear.ARCH)
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
                     "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4",
-                    "glm-dsa", "afmoe")
+                    "glm-dsa", "afmoe", gguf_kimi_linear.ARCH)
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
@@ -226,6 +226,8 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
              else LegacyNames(names_arch, config, model))
     if arch == "qwen3next":  # its converter changes the linear attention: undone around the common map
         names = Qwen3NextNames(config, names)
+    if arch == gguf_kimi_linear.ARCH:  # likewise: its conv kernels apart, its forget gate renamed
+        names = gguf_kimi_linear.KimiLinearNames(source, config, names, [t.name for t, _ in tensors])
     moe_layers = find_moe_layers(model)
     if not moe_layers:  # a family with dense and MoE variants (Gemma 4's E4B, 31B)
         raise CheckpointError(f"{source}: a dense {config.model_type!r} model ({arch!r} in GGUF), with no experts: "
@@ -541,6 +543,10 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
     if arch == gguf_nemotron_h.ARCH:
         key = arch_keys(reader, arch)
         return gguf_nemotron_h.nemotron_h_config(reader, key, _sizes(key, reader), tensor_names)
+    if arch == gguf_kimi_linear.ARCH:  # DeepSeek's MLA and MoE keys beside those of its linear attention
+        key = arch_keys(reader, arch)
+        _check_keys(source, key, arch, gguf_kimi_linear.KEYS, "Kimi-Linear's")
+        return gguf_kimi_linear.kimi_linear_config(source, key, _mla_keys(reader, key))
     try:
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError) as e:
@@ -646,10 +652,7 @@ def glm_dsa_config(source: Path, reader) -> GlmMoeDsaConfig:
     multi-token-prediction block last) with the sparse attention's indexer beside them: its heads, head size and
     top-k, and which layers run it (`_indexer_types`)."""
     key = arch_keys(reader, "glm-dsa")
-    missing = [name for name in GLM_DSA_KEYS if key(name) is None]
-    if missing:
-        raise CheckpointError(f"{source}: the GLM-DSA file lacks the keys {', '.join(f'glm-dsa.{n}' for n in missing)}"
-                              f", which GLM-5's config is read from")
+    _check_keys(source, key, "glm-dsa", GLM_DSA_KEYS, "GLM-5's")
     if int(key("expert_gating_func", SIGMOID_GATING)) != SIGMOID_GATING:  # llama.cpp's default for the family
         raise CheckpointError(f"{source}: a GLM-DSA file whose router is not sigmoid (`glm-dsa.expert_gating_func` "
                               f"{key('expert_gating_func')}), which GLM-5's model cannot run")
@@ -658,6 +661,14 @@ def glm_dsa_config(source: Path, reader) -> GlmMoeDsaConfig:
         **common, index_n_heads=int(key("attention.indexer.head_count")),
         index_head_dim=int(key("attention.indexer.key_length")), index_topk=int(key("attention.indexer.top_k")),
         indexer_types=_indexer_types(source, key, common["num_hidden_layers"]))
+
+
+def _check_keys(source: Path, key: Callable[..., Any], arch: str, names: tuple[str, ...], model: str) -> None:
+    """Refuse a file without any of the keys `names` (`key`: its `arch_keys`), which `model` config is read from."""
+    missing = [name for name in names if key(name) is None]
+    if missing:
+        raise CheckpointError(f"{source}: the {arch} file lacks the keys {', '.join(f'{arch}.{n}' for n in missing)}"
+                              f", which {model} config is read from")
 
 
 def _indexer_types(source: Path, key: Callable[..., Any], layers: int) -> list[str]:

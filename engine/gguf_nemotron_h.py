@@ -31,7 +31,7 @@ def nemotron_h_config(reader, key: Callable[..., Any], sizes: dict[str, Any], te
     per-layer KV heads and widths, the Mamba-2 sizes in llama.cpp's SSM keys, DeepSeek-V3's router settings; a
     multi-token-prediction block after the last layer left out."""
     layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
-    kv_heads, widths = _per_layer(key("attention.head_count_kv"), layers), _per_layer(key("feed_forward_length"), layers)
+    kv_heads, widths = per_layer(key("attention.head_count_kv"), layers), per_layer(key("feed_forward_length"), layers)
     kinds = ["full_attention" if kv_heads[i] else "moe" if widths[i] else "linear_attention" for i in range(layers)]
     inner, ssm_heads = int(key("ssm.inner_size")), int(key("ssm.time_step_rank"))
     first_mamba = kinds.index("linear_attention") if "linear_attention" in kinds else 0
@@ -64,7 +64,7 @@ def _latent_size(key: Callable[..., Any], reader) -> int | None:
     return int(latent.shape[1]) if latent is not None else None
 
 
-def _per_layer(value: int | list[int], layers: int) -> list[int]:
+def per_layer(value: int | list[int], layers: int) -> list[int]:
     """A key llama.cpp writes per layer (or once for all), for the first `layers` layers."""
     return (list(value) if isinstance(value, list) else [value] * layers)[:layers]
 

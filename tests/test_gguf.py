@@ -300,6 +300,28 @@ def test_a_glm_dsa_file_lacking_what_glm_5_needs_is_refused_by_name(left_out, ke
     assert converted_folders() == []
 
 
+@pytest.mark.parametrize("left_out, keys, renamed, says", [
+    ("kimi-linear.kda.head_dim", {}, {}, r"lacks the keys kimi-linear\.kda\.head_dim, which Kimi-Linear's config"),
+    ("kimi-linear.expert_gating_func", {"expert_gating_func": 1}, {},
+     r"does not score by a sigmoid \(`kimi-linear\.expert_gating_func` 1\)"),
+    ("blk.0.ssm_conv1d_k.weight", {}, {}, r"no tensor blk\.0\.ssm_conv1d_k\.weight, of which the short convolution"),
+    (None, {}, {"blk.1.attn_q.weight": "blk.1.attn_gate.weight"},
+     r"its tensors blk\.1\.attn_gate\.weight have no parameter in transformers' Kimi-Linear"),
+])
+def test_a_kimi_linear_file_lacking_what_its_model_needs_is_refused_by_name(left_out, keys, renamed, says, tmp_path,
+                                                                           own_state_dir):
+    """A key Kimi-Linear's config is read from, a router other than its sigmoid one, one of a linear layer's three
+    conv kernels, or a tensor transformers' model has no place for (Kimi K3's output gate)."""
+    tensor = left_out if left_out and left_out.startswith("blk.") else None
+    path = write_gguf(tiny_gguf_model("kimi_linear"), tmp_path / "kimi.gguf", leave_out=tensor)
+    if not tensor:
+        path = write_relabelled(path, tmp_path / "broken.gguf", "kimi-linear", (left_out,) if left_out else (), keys,
+                                renamed=renamed)
+    with pytest.raises(CheckpointError, match=says):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
+
+
 def test_a_gpt_oss_files_4_bit_experts_are_stored_on_its_own_grid(tmp_path):
     """int4 of a Q4_0 GPT-OSS file: each group's step taken from the file's block, rows interleaved as the weights'."""
     model = tiny_gguf_model("gpt_oss", seed=12)
