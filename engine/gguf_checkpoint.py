@@ -47,6 +47,7 @@ from transformers import (
     JambaConfig,
     Lfm2MoeConfig,
     Llama4TextConfig,
+    MiMoV2FlashConfig,
     Mistral4Config,
     MixtralConfig,
     OlmoeConfig,
@@ -75,6 +76,7 @@ from engine.gguf_experts import (
     read_marker,
     recorded_experts,
 )
+from engine.gguf_nemotron_h import per_layer
 from engine.gguf_qwen3next import Qwen3NextNames, qwen3next_config
 from engine.gguf_sources import split_parts
 from engine.gguf_tokenizer import apply_file_split_rule, load_gguf_tokenizer
@@ -93,11 +95,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
                    "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH,
-                   "mistral4", "glm-dsa", "afmoe", gguf_kimi_linear.ARCH)
+                   "mistral4", "glm-dsa", "afmoe", gguf_kimi_linear.ARCH, "mimo2")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
                     "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4",
-                    "glm-dsa", "afmoe", gguf_kimi_linear.ARCH)
+                    "glm-dsa", "afmoe", gguf_kimi_linear.ARCH, "mimo2")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
@@ -130,6 +132,13 @@ NEEDED = object()  # `arch_keys`: a key asked for without a default
 # llama.cpp's afmoe leaves every fourth layer unrotated (fixed in its graph) and, unless the file names another period,
 # attends in full there; transformers' AFMoE rotates exactly its sliding layers
 AFMOE_PERIOD = 4
+# the router keys llama.cpp's mimo2 loader leaves unread, and the values its graph runs whatever they say (a sigmoid,
+# top-k weights renormalised and not scaled), as transformers' MiMo-V2-Flash does: any other value is refused
+MIMO2_ROUTER = {"expert_gating_func": (SIGMOID_GATING, 0), "expert_weights_norm": (True,),
+                "expert_weights_scale": (1.0, 0.0)}
+# MiMo-V2-Flash's attention_value_scale (sqrt(4096 / (64 heads × 128)), transformers' default for the family), which
+# llama.cpp's converter writes as `attention.value_scale` since May 2026; before, it converted that model alone
+MIMO_V2_FLASH_VALUE_SCALE = 0.707
 MISTRAL4_SCALING_BETA = 0.1  # Mistral Small 4's `llama_4_scaling_beta` (and transformers' default for the family)
 # the `glm-dsa.*` keys GLM-5's config is read from, all of which llama.cpp's converter writes and its loader requires
 GLM_DSA_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
@@ -522,6 +531,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return dots1_config(reader)
     if arch == "afmoe":
         return afmoe_config(source, reader)
+    if arch == "mimo2":
+        return mimo2_config(source, reader, tensor_names)
     if arch == "llama4":
         return llama4_config(source, reader)
     if arch == "olmoe":
@@ -751,8 +762,7 @@ def afmoe_config(source: Path, reader) -> AfmoeConfig:
     sigmoid gate on its output, sliding with rotary on three layers of four, full without on the fourth; embeddings
     scaled by the square root of the width (muP), which llama.cpp does for every afmoe file."""
     key = arch_keys(reader, "afmoe", source)
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        raise CheckpointError(f"{source}: the GGUF file has no vocabulary (`tokenizer.ggml.tokens`)")
+    _check_vocabulary(source, reader)
     sizes = _sizes(key, reader)
     head_dim = int(key("attention.key_length", sizes["hidden_size"] // sizes["num_attention_heads"]))
     _check_afmoe_router(source, key)
@@ -804,6 +814,112 @@ def _afmoe_layer_types(source: Path, key: Callable[..., Any], layers: int) -> li
                               f".sliding_window_pattern`), its unrotated ones every {AFMOE_PERIOD}; transformers' "
                               f"AFMoE has them the same")
     return ["full_attention" if (i + 1) % AFMOE_PERIOD == 0 else "sliding_attention" for i in range(layers)]
+
+
+def _check_vocabulary(source: Path, reader) -> None:
+    """Refuse a file without the vocabulary that the model's size is read from."""
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise CheckpointError(f"{source}: the GGUF file has no vocabulary (`tokenizer.ggml.tokens`)")
+
+
+def mimo2_config(source: Path, reader, tensor_names: set[str]) -> MiMoV2FlashConfig:
+    """Xiaomi's MiMo-V2-Flash (309B-A15B) from llama.cpp's `mimo2` keys: sliding and full attention layers as
+    `attention.sliding_window_pattern` says, a sliding layer with twice a full one's KV heads and attention sinks;
+    query/key heads wider than value heads, values scaled by `attention.value_scale`; rotary on part of each head at
+    one base per kind of layer; a dense layer where the file holds no router, elsewhere a sigmoid router with its
+    correction bias and no shared expert; a trailing multi-token-prediction block left out."""
+    key = arch_keys(reader, "mimo2", source)
+    _check_vocabulary(source, reader)
+    sizes = _sizes(key, reader)
+    layers = sizes["num_hidden_layers"] - int(key("nextn_predict_layers", 0))  # MTP blocks come last
+    sliding = [bool(s) for s in per_layer(key("attention.sliding_window_pattern"), layers, source)]
+    head_dim = int(key("attention.key_length", sizes["hidden_size"] // sizes["num_attention_heads"]))
+    _check_mimo2_router(source, key)
+    _check_mimo2_attention(source, tensor_names, sliding)
+    return MiMoV2FlashConfig(
+        **sizes | {"num_hidden_layers": layers, "num_key_value_heads": _mimo2_kv_heads(source, key, sliding)},
+        head_dim=head_dim, v_head_dim=int(key("attention.value_length", head_dim)),
+        intermediate_size=int(key("feed_forward_length")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")), n_routed_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")), n_group=int(key("expert_group_count", 0) or 1),
+        topk_group=int(key("expert_group_used_count", 0) or 1), norm_topk_prob=True, routed_scaling_factor=1.0,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        mlp_layer_types=["sparse" if f"blk.{i}.ffn_gate_inp.weight" in tensor_names else "dense"
+                         for i in range(layers)],
+        sliding_window=int(key("attention.sliding_window")), attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_value_scale=_mimo2_value_scale(source, key),
+        rope_parameters=_mimo2_rope(source, key, head_dim))
+
+
+def _mimo2_value_scale(source: Path, key: Callable[..., Any]) -> float | None:
+    """The file's `attention.value_scale` (None, unscaled, for 0 or 1, as llama.cpp reads it); where it has none,
+    MiMo-V2-Flash's own, the model llama.cpp's converter wrote such files from, which llama.cpp runs unscaled."""
+    scale = key("attention.value_scale", None)
+    if scale is None:
+        log.warning("GGUF %s: no `mimo2.attention.value_scale`, as llama.cpp wrote MiMo-V2-Flash before May 2026: its "
+                    "values are scaled by MiMo-V2-Flash's %s, as transformers runs the model (llama.cpp runs such a "
+                    "file unscaled)", source, MIMO_V2_FLASH_VALUE_SCALE)
+        return MIMO_V2_FLASH_VALUE_SCALE
+    return None if float(scale) in (0.0, 1.0) else float(scale)
+
+
+def _mimo2_kv_heads(source: Path, key: Callable[..., Any], sliding: list[bool]) -> int:
+    """The KV heads of a full attention layer, where every sliding layer has twice as many, the only pattern
+    transformers' MiMo-V2-Flash can describe; another is refused."""
+    kv_heads = [int(n) for n in per_layer(key("attention.head_count_kv", key("attention.head_count")),
+                                          len(sliding), source)]
+    full = {n for n, s in zip(kv_heads, sliding) if not s}
+    window = {n for n, s in zip(kv_heads, sliding) if s}
+    heads = min(full) if full else min(window) // 2
+    if len(full) > 1 or window - {2 * heads}:
+        raise CheckpointError(f"{source}: its KV heads per layer (`mimo2.attention.head_count_kv` {kv_heads}) are not "
+                              f"one count in full attention layers and twice it in sliding ones, which is all "
+                              f"transformers' MiMo-V2-Flash can describe")
+    return heads
+
+
+def _check_mimo2_router(source: Path, key: Callable[..., Any]) -> None:
+    """Refuse, by the key, a file whose router keys say other than llama.cpp's mimo2 runs regardless of them
+    (`MIMO2_ROUTER`): it was written from a model that neither llama.cpp nor transformers' MiMo-V2-Flash runs."""
+    for name, runs in MIMO2_ROUTER.items():
+        if (value := key(name, runs[0])) not in runs:
+            raise CheckpointError(f"{source}: `mimo2.{name}` is {value}, which llama.cpp's mimo2 ignores: it routes "
+                                  f"by a sigmoid, renormalised and unscaled, as transformers' MiMo-V2-Flash does")
+
+
+def _check_mimo2_attention(source: Path, tensor_names: set[str], sliding: list[bool]) -> None:
+    """What transformers' MiMo-V2-Flash cannot hold: sinks in a full attention layer (it has them in its sliding
+    layers only), q, k and v fused in one tensor (MiMo-V2.5's `attn_qkv`, which moe-serve does not split)."""
+    for i, slides in enumerate(sliding):
+        if not slides and f"blk.{i}.attn_sinks.weight" in tensor_names:
+            raise CheckpointError(f"{source}: its full attention layer {i} has attention sinks (`blk.{i}.attn_sinks`), "
+                                  f"which transformers' MiMo-V2-Flash has in sliding layers only")
+        if f"blk.{i}.attn_qkv.weight" in tensor_names:
+            raise CheckpointError(f"{source}: layer {i} has q, k and v fused (`blk.{i}.attn_qkv`, MiMo-V2.5's layout), "
+                                  f"which moe-serve does not split for mimo2")
+
+
+def _mimo2_rope(source: Path, key: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+    """Unscaled rotary on the first `rope.dimension_count` dimensions of each head, at `rope.freq_base` in full
+    attention layers and `rope.freq_base_swa` in sliding ones (llama.cpp: the same where the file has none)."""
+    if key("rope.scaling.type", "none") != "none" or float(key("rope.scaling.factor", 1.0)) not in (0.0, 1.0):
+        raise CheckpointError(f"{source}: its rotary is scaled (`mimo2.rope.scaling.*`), which moe-serve does not "
+                              f"read for mimo2")
+    rotated = int(key("rope.dimension_count", head_dim))
+    if rotated % 2 or rotated > head_dim:
+        raise CheckpointError(f"{source}: its rotary turns {rotated} of each head's {head_dim} dimensions "
+                              f"(`mimo2.rope.dimension_count`), which transformers' MiMo-V2-Flash cannot")
+    base, share = float(key("rope.freq_base", 10000.0)), rotated_share(rotated, head_dim)
+    bases = {"full_attention": base, "sliding_attention": float(key("rope.freq_base_swa", base))}
+    return {kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": share}
+            for kind, theta in bases.items()}
+
+
+def rotated_share(rotated: int, head_dim: int) -> float:
+    """The `partial_rotary_factor` of which transformers rotates `int(head_dim * factor)` = `rotated` dimensions:
+    `rotated / head_dim`, one float step up where that product falls short (e.g. 30 of 88)."""
+    share = rotated / head_dim
+    return share if int(head_dim * share) == rotated else float(np.nextafter(share, 1.0))
 
 
 def ernie4_5_moe_config(reader, tensor_names: set[str]) -> Ernie4_5_MoeConfig:

@@ -13,11 +13,14 @@ attention score as it is).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import gguf
 import torch
 from transformers import NemotronHConfig
+
+from cache.safetensors_index import CheckpointError
 
 ARCH = "nemotron_h_moe"
 PUBLISHED_PREFIX = "backbone."  # the checkpoint's prefix of what transformers holds under `model.`
@@ -64,9 +67,13 @@ def _latent_size(key: Callable[..., Any], reader) -> int | None:
     return int(latent.shape[1]) if latent is not None else None
 
 
-def per_layer(value: int | list[int], layers: int) -> list[int]:
-    """A key llama.cpp writes per layer (or once for all), for the first `layers` layers."""
-    return (list(value) if isinstance(value, list) else [value] * layers)[:layers]
+def per_layer(value: Any, layers: int, source: Path | None = None) -> list:
+    """A key llama.cpp writes per layer (or once for all), for the first `layers` layers (a list may go on for the
+    multi-token-prediction blocks after them); given the file's `source`, a list of fewer is refused."""
+    values = list(value) if isinstance(value, list) else [value] * layers
+    if source is not None and len(values) < layers:
+        raise CheckpointError(f"{source}: a per-layer key names {len(values)} layers, the model has {layers}")
+    return values[:layers]
 
 
 def published_names(model: torch.nn.Module, num_layers: int) -> dict[str, str]:

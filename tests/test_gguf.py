@@ -179,16 +179,17 @@ def test_a_gemma4_files_fused_quantized_experts_are_served_as_the_file_holds_the
         assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mimo_v2_flash"])
 def test_a_file_with_a_multi_token_prediction_block_is_served_without_it(family, tmp_path, caplog):
-    """Qwen3.5's and GLM's files (GLM-4.7-Flash's in DeepSeek's layout) may end with a multi-token-prediction block;
-    GLM-5's always do."""
+    """Qwen3.5's, GLM's (GLM-4.7-Flash's in DeepSeek's layout) and MiMo-V2-Flash's files may end with a
+    multi-token-prediction block; GLM-5's always do."""
     model = tiny_gguf_model(family, seed=9)
+    layers = model.config.num_hidden_layers
     path = write_gguf(model, tmp_path / "mtp.gguf", "Q8_0", mtp_block=True)
-    assert "blk.2.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    assert f"blk.{layers}.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
         engine = load(path, 3)
-    assert f"not used by {family}" in caplog.text and engine.loaded.config.num_hidden_layers == 2
+    assert f"not used by {family}" in caplog.text and engine.loaded.config.num_hidden_layers == layers
     assert engine.loaded.quant.expert_dtype == "int8" and len(engine.loaded.moe_layers) == len(find_moe_layers(model))
     prompt_ids = engine.encode(PROMPT)
     assert len(greedy(engine, prompt_ids)) == NEW_TOKENS
@@ -666,6 +667,47 @@ def test_an_afmoe_file_lacking_what_its_model_needs_is_refused_by_name(key, tens
     with pytest.raises(CheckpointError, match=says):
         resolve_model_path(str(path))
     assert converted_folders() == []
+
+
+@pytest.mark.parametrize("left_out, keys, renamed, says", [
+    ("mimo2.attention.sliding_window_pattern", {}, {},
+     r"has no `mimo2.attention.sliding_window_pattern`, which its model needs"),
+    ("mimo2.attention.head_count_kv", {"attention.head_count_kv": [2, 2, 2]}, {},
+     r"\(`mimo2.attention.head_count_kv` \[2, 2, 2\]\) are not one count in full attention layers and twice it"),
+    (None, {"expert_weights_scale": 2.5}, {}, r"`mimo2.expert_weights_scale` is 2.5, which llama.cpp's mimo2 ignores"),
+    (None, {}, {"blk.1.attn_sinks.weight": "blk.0.attn_sinks.weight"},
+     r"its full attention layer 0 has attention sinks \(`blk.0.attn_sinks`\)"),
+    (None, {}, {"blk.1.attn_sinks.weight": "blk.1.attn_sink.weight"},
+     r"no tensor for 1 parameters of mimo_v2_flash \(model.layers.1.self_attn.sinks\)"),
+])
+def test_a_mimo2_file_its_model_cannot_run_as_written_is_refused_by_name(left_out, keys, renamed, says, tmp_path,
+                                                                        own_state_dir):
+    """A MiMo-V2-Flash file without a key llama.cpp requires or a tensor the model needs, or one saying what
+    transformers' MiMo-V2-Flash cannot describe (other KV heads than twice a full layer's in a sliding one, sinks in
+    a full layer) or llama.cpp would not run as said (a routed scale), is refused, naming it."""
+    path = write_gguf(tiny_gguf_model("mimo_v2_flash"), tmp_path / "llama-cpp.gguf")
+    path = write_relabelled(path, tmp_path / "broken.gguf", "mimo2", (left_out,) if left_out else (), keys,
+                            renamed=renamed)
+    with pytest.raises(CheckpointError, match=says):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
+
+
+def test_a_mimo2_file_from_before_llama_cpp_wrote_the_value_scale_scales_by_mimo_v2_flashs(tmp_path, caplog):
+    """llama.cpp's converter writes `attention.value_scale` since May 2026 and converted MiMo-V2-Flash alone before:
+    a file without the key is served with that model's 0.707, as transformers runs it, and says so."""
+    model = tiny_gguf_model("mimo_v2_flash", seed=5)
+    path = write_relabelled(write_gguf(model, tmp_path / "llama-cpp.gguf"), tmp_path / "older.gguf", "mimo2",
+                            ("mimo2.attention.value_scale",))
+    with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
+        assert_serves_tokens_of(path, model)
+    assert "no `mimo2.attention.value_scale`" in caplog.text
+
+
+def test_a_rotated_share_gives_back_the_dimensions_transformers_rotates():
+    """transformers rotates `int(head_dim × partial_rotary_factor)` dimensions; 30 / 88 × 88 falls short of 30."""
+    assert int(88 * (30 / 88)) == 29
+    assert all(int(h * gguf_checkpoint.rotated_share(r, h)) == r for h in range(2, 513) for r in range(2, h + 1, 2))
 
 
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, own_state_dir):
