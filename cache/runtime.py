@@ -67,12 +67,12 @@ class ExpertRuntime:
             ids = torch.cat([top_k_index.flatten(), lookahead.flatten().to(top_k_index.dtype)]).tolist()
             tokens, k = top_k_index.shape
             index_rows = [ids[t * k : (t + 1) * k] for t in range(tokens)]
-            self._lookahead = (layer, ids[tokens * k :])
-        counts = Counter(e for row in index_rows for e in row)
+            self._lookahead = (layer, [e for e in ids[tokens * k :] if e >= 0])
+        counts = Counter(e for row in index_rows for e in row if e >= 0)  # a negative id: a route to no expert
         needed = sorted(counts)
         self.note_routing(layer, needed, len(index_rows), [counts[e] for e in needed])
         if self.recorder is not None:
-            self.recorder.record(self.phase, layer, index_rows)
+            self.recorder.record(self.phase, layer, [[e for e in row if e >= 0] for row in index_rows])
         return needed, index_rows
 
     def note_routing(self, layer: int, needed: list[int], tokens: int, counts: Sequence[int] | None) -> None:

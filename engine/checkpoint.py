@@ -82,6 +82,9 @@ class ExpertSources:
     """One experts module's tensors on disk, per parameter of its `ExpertLayout`."""
 
     fused: dict[str, Location] = field(default_factory=dict)  # param → [E, ...]
+    # param → [(position among the converter's sources, [E, ...])]: fused tensors that the family joins on load
+    # (Step 3.7 Flash's gate and up into gate_up_proj)
+    joined: dict[str, list[tuple[int, Location]]] = field(default_factory=lambda: defaultdict(list))
     # param → expert → [(position among the converter's sources, per-expert tensor)]
     per_expert: dict[str, dict[int, list[tuple[int, Location]]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list))
@@ -258,8 +261,11 @@ def split_checkpoint(
             experts[owner].fused[param] = loc
         else:
             check_expert_converter(converter, key)
-            expert = _expert_number(apply_renamings(key, mapper.renamings), pattern)
             position = list(converter.source_patterns).index(pattern)
+            if _joins_fused(converter):
+                experts[owner].joined[param].append((position, loc))
+                continue
+            expert = _expert_number(apply_renamings(key, mapper.renamings), pattern)
             experts[owner].per_expert[param][expert].append((position, loc))
     return dense, experts
 
@@ -283,6 +289,11 @@ def expert_parts(layer: MoELayer, sources: ExpertSources, moe_layer: int) -> dic
                 loc = sources.fused[param]
                 _check_fused(loc, param, _stored_shape(loc, shape, layer), layer.num_experts, moe_layer)
                 expert[param] = [_part_of(loc, e)]
+                continue
+            if param in sources.joined:
+                locs = [loc for _, loc in sorted(sources.joined[param], key=lambda p: p[0])]
+                _check_joined(locs, param, _stored_shape(locs[0], shape, layer), layer.num_experts, moe_layer)
+                expert[param] = [_part_of(loc, e) for loc in locs]
                 continue
             parts = sorted(sources.per_expert.get(param, {}).get(e, []), key=lambda p: p[0])
             if not parts:
@@ -457,16 +468,22 @@ class _KeyMapper:
 
 
 def check_expert_converter(converter: WeightConverter, key: str) -> None:
-    """Per-expert tensors are read straight into the expert's buffer: only merges that stack
-    experts and join whole row blocks (gate rows, then up rows) keep the bytes in order."""
+    """Expert tensors are read straight into the expert's buffer: only merges that stack per-expert tensors
+    and join whole row blocks (gate rows, then up rows), or join fused tensors so, keep the bytes in order."""
     ops = list(converter.operations)
     stacks = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
     joins = all(isinstance(op, Concatenate) and op.dim == 1 for op in ops[1:])
-    if not (stacks and joins):
+    if not (stacks and joins) and not _joins_fused(converter):
         raise CheckpointError(
             f"{key}: the family merges per-expert tensors with {ops}, which moe-serve cannot read in "
             f"place; save the checkpoint with fused experts (transformers' in-memory layout)"
         )
+
+
+def _joins_fused(converter: WeightConverter) -> bool:
+    """A converter that only joins fused tensors `[E, a, H]`, `[E, b, H]` into one `[E, a + b, H]`."""
+    ops = list(converter.operations)
+    return bool(ops) and all(isinstance(op, Concatenate) and op.dim == 1 for op in ops)
 
 
 def _expert_number(key: str, pattern: str) -> int:
@@ -484,3 +501,13 @@ def _check_fused(loc: Location, param: str, shape: tuple[int, ...], num_experts:
     if loc.shape != (num_experts, *shape):
         raise CheckpointError(f"MoE layer {moe_layer}: the fused {param} has shape {list(loc.shape)}, the config "
                               f"implies {[num_experts, *shape]}")
+
+
+def _check_joined(locs: list[Location], param: str, shape: tuple[int, ...], num_experts: int, moe_layer: int) -> None:
+    """Fused tensors joined row-wise into `param`: each holds one block per expert, and their rows add up."""
+    shapes = [tuple(loc.shape) for loc in locs]
+    rows = sum(s[1] for s in shapes if len(s) == len(shape) + 1)
+    if any(s[0] != num_experts or s[2:] != shape[1:] for s in shapes) or rows != shape[0]:
+        raise CheckpointError(f"MoE layer {moe_layer}: the fused tensors joined into {param} have shapes "
+                              f"{[list(s) for s in shapes]}, the config implies {[num_experts, *shape]} joined on "
+                              f"its second axis")

@@ -26,6 +26,7 @@ from engine import llama4_moe, multimodal
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INTERFACE_ATTRS = ("is_transposed", "is_concatenated", "has_gate", "has_bias")
+NO_EXPERT = -1  # a route that computes nothing: a zero expert (`has_zero_experts`)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor | Non
 
     weight = getattr(router, "weight", None)
     width = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    zero_experts = has_zero_experts(layer)
 
     def top_k(hidden: torch.Tensor) -> torch.Tensor | None:
         if width is not None and hidden.shape[-1] != width:  # the experts' input is not the router's (latent MoE)
@@ -117,9 +119,19 @@ def router_top_k(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor | Non
         out = router(shaped, **{name: getattr(layer.block, name) for name in names})
         outputs = out if isinstance(out, tuple) else (out,)
         ids = next(t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point())
-        return ids.reshape(hidden.shape[0], -1)
+        ids = ids.reshape(hidden.shape[0], -1)
+        return ids.masked_fill(ids >= layer.num_experts, NO_EXPERT) if zero_experts else ids
 
     return top_k
+
+
+def has_zero_experts(layer: MoELayer) -> bool:
+    """Whether the router scores more ids than there are experts: the others are "zero" experts (LongCat-Flash),
+    which add the input, scaled, outside the experts module, and reach it as a real expert with weight 0."""
+    if layer.router is None:
+        return False
+    weight = next((p for p in layer.router.parameters() if p.dim() == 2), None)
+    return weight is not None and weight.shape[0] > layer.num_experts
 
 
 def _router_inputs_from_block(router: nn.Module, block: nn.Module) -> list[str] | None:
@@ -165,8 +177,9 @@ def _router_of(parent: nn.Module, experts: nn.Module) -> nn.Module | None:
 def interface_families() -> tuple[str, ...]:
     """Model types whose modeling code marks an experts module with the interface (read from the installed
     transformers, so a new family shows up without a change here): causal LMs, and those transformers builds
-    only as image-text-to-text models, served as their text model (`engine.multimodal`); and Llama 4's, whose
-    blocks are rebuilt on it (`engine.llama4_moe`)."""
+    only as image-text-to-text models, served as their text model (`engine.multimodal`), and language models
+    published alone that it builds only inside one of those; and Llama 4's, whose blocks are rebuilt on it
+    (`engine.llama4_moe`)."""
     import transformers
     from transformers.models.auto.configuration_auto import model_type_to_module_name
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -177,5 +190,5 @@ def interface_families() -> tuple[str, ...]:
         for path in models.glob("*/modeling_*.py")
         if "@use_experts_implementation" in path.read_text(encoding="utf-8")
     }
-    types = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *multimodal.image_text_types()}
+    types = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *multimodal.image_text_types(), *multimodal.PUBLISHED_ALONE}
     return tuple(sorted(t for t in types if model_type_to_module_name(t) in marked or t in llama4_moe.FAMILIES))

@@ -6,6 +6,10 @@ config nests the language model's (`text_config`), their weights sit under the c
 the text model alone). moe-serve is text-only (images are refused at the API), so the composite is built as
 transformers builds it, which keeps its weight names and its text-only forward, and its vision and audio
 towers are dropped before any weight is read: they take no memory, and their checkpoint tensors are ignored.
+
+A language model published on its own that transformers builds only inside a composite (Step-3.5-Flash, the
+language model of Step 3.7 Flash) is built the same way, its config set as the composite's text config: its
+checkpoint names are the composite's language-model names as published.
 """
 
 from __future__ import annotations
@@ -14,17 +18,27 @@ import functools
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+
+# model type of a language model published alone → the composite transformers builds it in
+PUBLISHED_ALONE = {"step3p5": "step3p7"}  # Step-3.5-Flash: Step 3.7 Flash's language model
 
 
 def build_text_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     """The causal LM of `config` (call under `init_empty_weights`): the family's causal-LM class, or for a
     family transformers builds only as an image-text-to-text model, that model; in both, a composite keeps
     only its language model and LM head."""
+    config = in_composite(config)
     auto = AutoModelForCausalLM if config.model_type in causal_lm_types() else AutoModelForImageTextToText
     model = auto.from_config(config, dtype=dtype)
     drop_towers(model)
     return model
+
+
+def in_composite(config: PretrainedConfig) -> PretrainedConfig:
+    """`config`, or for a language model published alone (`PUBLISHED_ALONE`), its composite's config around it."""
+    composite = PUBLISHED_ALONE.get(config.model_type)
+    return config if composite is None else AutoConfig.for_model(composite, text_config=config)
 
 
 def drop_towers(model: nn.Module) -> None:

@@ -15,6 +15,11 @@ math: their weights are `cache.quant.QuantizedWeight`s, which `_linear` multipli
 
 On CUDA with `--cpu-experts`, a decode step's missed experts may be computed on the host from their
 host buffers (`_on_host`), one of them shared: part on the host, part on the device (`_shared`).
+
+A family whose experts class computes around the interface's forward (Ergo: it gives each route a row of
+its own, calls the interface's forward with unit weights, then normalizes each route's output with its
+expert's own norm and sums them) keeps its forward: this one takes the interface's place below it
+(`_below_class_forward`) and returns each route's output (`_forward_routes`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 
 from cache.quant import QuantizedWeight, QuantLayout, runs_on_cpu, unpack_expert
 from cache.runtime import ExpertRuntime
-from engine.moe_layers import MoELayer
+from engine.moe_layers import NO_EXPERT, MoELayer, has_zero_experts
 
 # Experts up to this size are stacked (copied) to compute a decode step in one batched
 # product; larger ones are computed on views of their slots, where the copy would cost
@@ -61,6 +66,8 @@ class OffloadedExperts:
             and [name for name, _ in layer.layout.parts] == ["gate_up_proj", "down_proj"]
         )
         self._share_stream = torch.cuda.Stream(pool.device) if self.shareable and pool.device.type == "cuda" else None
+        self.per_route = overrides_interface_forward(type(self.module))
+        self.zero_experts = has_zero_experts(layer)
 
     @property
     def can_share(self) -> bool:
@@ -71,15 +78,24 @@ class OffloadedExperts:
         """Drop the module's (empty) per-expert parameters and route its calls here."""
         for name, _ in self.layout.parts:
             del self.module._parameters[name]
-        self.module.forward = self.forward
+        if self.per_route:
+            _below_class_forward(self.module, self.forward)
+        else:
+            self.module.forward = self.forward
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         live = self.runtime.live_tokens
+        if live is not None and self.per_route:  # k rows per token
+            k = self.runtime.top_k
+            live = (live[:, None] * k + torch.arange(k, device=live.device)).flatten()
+        if self.zero_experts:  # routed to a real expert with weight 0: not loaded, computed or recorded
+            top_k_index = top_k_index.masked_fill(top_k_weights == 0, NO_EXPERT)
+        forward = self._forward_routes if self.per_route else self._forward
         if live is None or len(live) == len(hidden):
-            return self._forward(hidden, top_k_index, top_k_weights)
+            return forward(hidden, top_k_index, top_k_weights)
         # the pads of a batch: their outputs are dropped, so their experts are neither loaded, computed nor recorded
         out = torch.zeros_like(hidden)  # [T, H]
-        return out.index_copy_(0, live, self._forward(hidden[live], top_k_index[live], top_k_weights[live]))
+        return out.index_copy_(0, live, forward(hidden[live], top_k_index[live], top_k_weights[live]))
 
     def _forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         needed, rows = self.runtime.on_routing(self.moe_layer, top_k_index, hidden)
@@ -94,6 +110,22 @@ class OffloadedExperts:
 
         on_host = self._on_host(hidden, rows[0], top_k_weights, out) if len(rows) == 1 and self.host_capable else None
         self.runtime.run_step(self.moe_layer, needed, hidden, compute, on_host)
+        return out
+
+    def _forward_routes(self, hidden: torch.Tensor, route_index: torch.Tensor, route_weights: torch.Tensor) -> torch.Tensor:
+        """Each route's output, for a class that computes around the interface: `hidden` [T * k, H] (each token's
+        row k times), `route_index` [T * k, 1] and `route_weights` [T * k, 1] (ones) → [T * k, H]. The router's
+        decision is recorded per token, as for any family."""
+        k = self.runtime.top_k
+        tokens = hidden[::k]  # [T, H]
+        needed, rows = self.runtime.on_routing(self.moe_layer, route_index.view(-1, k), tokens)
+        by_route = tokens_by_expert([[expert] for row in rows for expert in row], hidden.device)
+        out = torch.zeros_like(hidden)  # [T * k, H]
+
+        def compute(turn: Sequence[int], slots: Sequence[int]) -> None:
+            self._prefill(hidden, by_route, route_weights, turn, slots, out)
+
+        self.runtime.run_step(self.moe_layer, needed, tokens, compute)
         return out
 
     def _on_host(self, hidden: torch.Tensor, row: list[int], weights: torch.Tensor, out: torch.Tensor):
@@ -225,6 +257,22 @@ class OffloadedExperts:
         return module.post_expert_norm(y) if module.has_post_expert_norm else y
 
 
+def overrides_interface_forward(cls: type) -> bool:
+    """Whether `cls` computes around its experts interface's forward (its own forward calls it) rather than
+    being called through it: the interface's forward is the one `use_experts_implementation` wraps."""
+    return not hasattr(cls.forward, "__wrapped__") and any(hasattr(c.__dict__.get("forward"), "__wrapped__")
+                                                           for c in cls.__mro__)
+
+
+def _below_class_forward(module: torch.nn.Module, forward) -> None:
+    """Give `module` a class of its own in which `forward` takes the interface's place: the class's own forward
+    still runs, and its call to the interface's (`super().forward`) reaches `forward`."""
+    cls = type(module)
+    interface = next(c for c in cls.__mro__ if hasattr(c.__dict__.get("forward"), "__wrapped__"))
+    offloaded = type(f"Offloaded{interface.__name__}", (interface,), {"forward": lambda _, *args: forward(*args)})
+    module.__class__ = type(cls.__name__, (cls, offloaded), {})
+
+
 def _linear(
     x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, transposed: bool
 ) -> torch.Tensor:
@@ -243,9 +291,9 @@ def tokens_by_expert(rows: list[list[int]], device: torch.device) -> dict[int, t
     for the layer instead of a device sync per expert."""
     flat = torch.tensor(rows, dtype=torch.int64).flatten()  # [T * k]
     order = torch.argsort(flat, stable=True)  # positions grouped by expert, ascending within each
-    counts = torch.bincount(flat).tolist()
+    counts = torch.bincount(flat[flat >= 0]).tolist()
     order = order.to(device, non_blocking=True)
-    k, start, out = len(rows[0]), 0, {}
+    k, start, out = len(rows[0]), int((flat < 0).sum()), {}  # the routes to no expert (NO_EXPERT) come first
     for expert, n in enumerate(counts):
         if n:
             positions = order[start : start + n]

@@ -25,7 +25,9 @@ TOLERANCE = 1e-4
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the green forest."
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# and two whose experts the engine reaches otherwise: Ergo's through its class's own forward (a row per route),
+# LongCat-Flash's with routes to no expert
+@pytest.fixture(scope="module", params=[*FAMILIES, "ergo", "longcat_flash"])
 def family_engine(request, tmp_path_factory):
     folder = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), num_layers=2)
     engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", expert_cache_experts=4))

@@ -6,10 +6,19 @@ import pytest
 import torch
 
 import engine.offloaded_experts as offloaded_experts
+from cache.trace import load_trace
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
-from tests.fixtures.models import FAMILIES, LAYOUTS, MORE_FAMILIES, build_checkpoint, reference_greedy
+from engine.moe_layers import find_moe_layers
+from tests.fixtures.models import (
+    FAMILIES,
+    LAYOUTS,
+    MORE_FAMILIES,
+    build_checkpoint,
+    load_reference,
+    reference_greedy,
+)
 
 NEW_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog, then"
@@ -172,3 +181,32 @@ def test_one_host_sync_per_moe_layer_at_decode(tmp_path, monkeypatch):
     assert syncs == ["tolist", "tolist"]
     assert engine.runtime.prefetcher.lookahead_predicted > predicted_before
     assert prompt_ids  # the engine was usable before the patch
+
+
+def test_zero_experts_are_neither_loaded_nor_recorded(tmp_path):
+    """LongCat-Flash's router may pick "zero" experts, which add the token's input outside the experts and
+    reach the experts module as a real expert with weight 0: the engine leaves those routes out, so the
+    prompt's recorded routing is the block's real experts only, and fewer than k per token."""
+    folder = build_checkpoint("longcat_flash", tmp_path / "longcat", num_layers=NUM_LAYERS, top_k=4)
+    trace = tmp_path / "trace.jsonl"
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", expert_cache_experts=2,
+                                      record_trace=str(trace)))
+    prompt_ids = engine.encode(PROMPT)
+    assert greedy(engine, prompt_ids) == reference_greedy(folder, prompt_ids, NEW_TOKENS)
+    engine.close()
+
+    model = load_reference(folder)
+    real: list[list[list[int]]] = []  # [layer][token] the experts with a weight
+    hooks = [layer.experts.register_forward_pre_hook(
+        lambda _m, args, r=real: r.append([[e for e, w in zip(ids, ws) if w != 0]
+                                           for ids, ws in zip(args[1].tolist(), args[2].tolist())]))
+        for layer in find_moe_layers(model)]
+    with torch.no_grad():
+        model(torch.tensor([prompt_ids]))
+    for hook in hooks:
+        hook.remove()
+    _, (request,) = load_trace(trace)
+    recorded = [[[int(e) for e in ids if e >= 0] for ids in token] for token in request.prefill]  # [token][layer]
+    assert recorded == [list(by_token) for by_token in zip(*real)]
+    routes = sum(len(ids) for token in recorded for ids in token)
+    assert 0 < routes < len(prompt_ids) * len(real) * 4  # some routes went to zero experts

@@ -27,9 +27,6 @@ NOT_LOADING = {
     "inkling2_loop": "Inkling2LoopDequantizeExperts",
     "deepseek_ocr2": "default deepseek_ocr2 config builds no model",
     "ernie4_5_vl_moe": "MoE layers of different expert shapes",  # text and vision experts of their own widths
-    # (transformers 5.25 on) gate and up each fused over the experts, joined on load: two tensors per expert, where
-    # the host store reads one
-    "step3p7": "Concatenate(dim=1)",
 }
 
 

@@ -116,6 +116,17 @@ def test_fused_experts_fewer_than_the_config_says_are_refused(tiny_fused, tmp_pa
         Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
 
 
+def test_joined_fused_experts_fewer_than_the_config_says_are_refused(tmp_path):
+    """Step 3.7 Flash publishes gate and up each fused over the experts; both are read per expert in place."""
+    folder = build_checkpoint("step3p7", tmp_path / "step3p7")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["n_routed_experts"] = 16  # the fused tensors hold 8
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"joined into gate_up_proj have shapes \[\[8, 16, 32\], \[8, 16, 32\]\], "
+                                              r"the config implies \[16, 32, 32\]"):
+        Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru"))
+
+
 def test_the_fixture_checkpoints_pass_the_header_checks(tiny_fused):
     names = index_checkpoint(tiny_fused)
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= set(names)

@@ -5,12 +5,13 @@ block picks, for every tested family, whatever extra inputs the router takes fro
 import pytest
 import torch
 
-from engine.moe_layers import find_moe_layers, router_top_k
+from engine.moe_layers import NO_EXPERT, find_moe_layers, router_top_k
 from tests.fixtures.models import FAMILIES, MORE_FAMILIES, build_checkpoint, load_reference
 
 
 def block_routing(model: torch.nn.Module, prompt_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(hidden states entering each MoE block [T, H], the top-k ids its experts got [T, k]), per layer."""
+    """(hidden states entering each MoE block [T, H], the top-k ids its experts got [T, k]), per layer; a route
+    of weight 0 (LongCat-Flash's zero experts, sent to a real expert) as no expert."""
     seen: list[list[torch.Tensor]] = []
     hooks = []
     for layer in find_moe_layers(model):
@@ -18,7 +19,7 @@ def block_routing(model: torch.nn.Module, prompt_ids: list[int]) -> list[tuple[t
         seen.append(record)
         hooks.append(layer.block.register_forward_pre_hook(
             lambda _m, args, kwargs, r=record: r.append((args or (kwargs["hidden_states"],))[0]), with_kwargs=True))
-        hooks.append(layer.experts.register_forward_pre_hook(lambda _m, args, r=record: r.append(args[1])))
+        hooks.append(layer.experts.register_forward_pre_hook(lambda _m, args, r=record: r.append(args[1].masked_fill(args[2] == 0, NO_EXPERT))))
     try:
         with torch.no_grad():
             model(torch.tensor([prompt_ids]))
