@@ -423,10 +423,15 @@ def _load_dense(
     fmt: PublishedFormat | None = None,
 ) -> None:
     """The dense weights onto the device in `dtype`; published quantized ones decoded once (they are small)."""
+    names = {*dict(model.named_parameters()), *dict(model.named_buffers())}
+    unused = []  # tensors to join that no parameter takes
     for name, entry in list(dense.items()):
         if isinstance(entry, ConvertedDense):
             del dense[name]
-            dense.update(entry.convert(model, fmt))
+            if name in names:  # else not read: a layer the model does not build (Step-3.5-Flash's MTP experts)
+                dense.update(entry.convert(model, fmt))
+            else:
+                unused.append(name)
     missing = []
     for name, param in list(model.named_parameters()):
         loc = dense.pop(name, None)
@@ -448,10 +453,9 @@ def _load_dense(
             model.lm_head.weight = model.get_input_embeddings().weight
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
-    if dense:
-        log.info(
-            "ignoring %d checkpoint tensors the model does not use, e.g. %s", len(dense), next(iter(dense))
-        )
+    if dense or unused:
+        ignored = [*dense, *unused]
+        log.info("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(ignored), ignored[0])
 
 
 def _read_dense(loc: Location | torch.Tensor, fmt: PublishedFormat | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from cache.safetensors_index import CheckpointError, index_checkpoint
 from engine.api import GenerationRequest, SamplingParams
-from engine.checkpoint import read_config_dict
+from engine.checkpoint import ConvertedDense, read_config_dict
 from engine.config import EngineConfig
 from engine.engine import Engine
 from tests.fixtures.models import build_checkpoint, reference_greedy
@@ -103,3 +103,24 @@ def test_a_module_with_only_some_experts_stored_transposed_is_refused(qwen3_vl, 
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="stored transposed"):
         load(folder)
+
+
+def test_a_language_model_published_alone_is_served_in_its_composite_without_its_mtp_layer(tmp_path, monkeypatch):
+    """Step-3.5-Flash: Step 3.7 Flash's language model, published with a config of its own modeling code's names
+    and multi-token-prediction layers past the last, which transformers does not build: their experts, joined on
+    load like the others', are not read."""
+    folder = build_checkpoint("step3p5", tmp_path / "step3p5")
+    assert read_config_dict(folder)["model_type"] == "step3p5"
+    assert any(key.startswith("model.layers.3.moe.") for key in index_checkpoint(folder))  # the MTP layer's
+    converted = []
+    original = ConvertedDense.convert
+    monkeypatch.setattr(ConvertedDense, "convert", lambda self, *a: converted.append(self.target) or original(self, *a))
+    engine = load(folder)
+    try:
+        names = [name for name, _ in engine.model.named_parameters()]
+        assert all(name.startswith(("model.language_model.", "lm_head.")) for name in names)
+        assert not any(".layers.3." in target for target in converted), converted
+        prompt = engine.encode("The quick brown fox")
+        assert greedy(engine, prompt, 8) == reference_greedy(folder, prompt, 8)
+    finally:
+        engine.close()
