@@ -207,12 +207,12 @@ def _is_positive(value: object) -> bool:
 _SIZE_BOUNDS = {
     "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "moe_intermediate_size": 1 << 18,
     "shared_expert_intermediate_size": 1 << 18, "num_hidden_layers": 1024, "num_attention_heads": 1024,
-    "num_key_value_heads": 1024, "head_dim": 1 << 14, "vocab_size": 1 << 22, "max_position_embeddings": 1 << 24,
+    "num_key_value_heads": 1024, "vocab_size": 1 << 22, "max_position_embeddings": 1 << 24,
     "num_local_experts": 4096, "num_experts": 4096, "n_routed_experts": 4096, "num_experts_per_tok": 4096,
-    "kv_lora_rank": 1 << 16, "q_lora_rank": 1 << 16, "qk_rope_head_dim": 1 << 14, "qk_nope_head_dim": 1 << 14,
-    "v_head_dim": 1 << 14,
+    "kv_lora_rank": 1 << 16, "q_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 14, "v_head_dim": 1 << 14,
 }
-_MAY_BE_ZERO = {"n_shared_experts": 64, "first_k_dense_replace": 1024, "n_group": 4096, "topk_group": 4096}
+_MAY_BE_ZERO = {"n_shared_experts": 64, "first_k_dense_replace": 1024, "n_group": 4096, "topk_group": 4096,
+                "head_dim": 1 << 14, "qk_rope_head_dim": 1 << 14}  # both 0 in a rotary-less MLA model's (GLM-5-Next)
 
 
 def check_config_sizes(config: dict, where: Path) -> None:
