@@ -18,7 +18,7 @@ NOT_LOADING = {
     "gemma4": "no MoE layer found",  # the default config has no MoE block
     "gemma4_text": "no MoE layer found",
     "lfm2_moe": "default lfm2_moe config builds no model",
-    "qwen4_exp": "default qwen4_exp config builds no model",
+    "qwen4_exp": "default qwen4_exp config builds no model",  # its indexer's settings unset; tested
     "qwen4_exp_text": "default qwen4_exp_text config builds no model",
     "inkling2_text": "Interleave",  # per-expert keys interleaved on load: not readable in place
     "inkling2_loop_text": "Inkling2LoopDequantizeExperts",  # quantized experts in the checkpoint
