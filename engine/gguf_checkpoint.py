@@ -53,6 +53,7 @@ from transformers import (
     OlmoeConfig,
     PretrainedConfig,
     Qwen3MoeConfig,
+    Step3p7TextConfig,
 )
 from transformers.core_model_loading import Concatenate, WeightConverter, rename_source_key
 from transformers.integrations.gguf import get_gguf_conversion_mapping, is_gguf_arch_supported
@@ -95,11 +96,11 @@ DONE_MARKER = MARKER  # written last: a folder without it is an interrupted conv
 CONVERTED_ARCHS = ("qwen3moe", "qwen2moe", "llama", "qwen35moe", "gpt-oss", gguf_ollama.ARCH, "minimax-m2",
                    "deepseek2", "glm4moe", "gemma4", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe",
                    "qwen3next", "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH,
-                   "mistral4", "glm-dsa", "afmoe", gguf_kimi_linear.ARCH, "mimo2")
+                   "mistral4", "glm-dsa", "afmoe", gguf_kimi_linear.ARCH, "mimo2", "step35")
 # architectures whose config transformers does not read from a GGUF file
 OWN_CONFIG_ARCHS = ("deepseek2", "glm4moe", "ernie4_5-moe", "dots1", "llama4", "olmoe", "granitemoe", "qwen3next",
                     "lfm2moe", "granitehybrid", "hunyuan-moe", "jamba", "qwen3vlmoe", gguf_nemotron_h.ARCH, "mistral4",
-                    "glm-dsa", "afmoe", gguf_kimi_linear.ARCH, "mimo2")
+                    "glm-dsa", "afmoe", gguf_kimi_linear.ARCH, "mimo2", "step35")
 # llama.cpp's LlamaModel and its children reorder q/k rows for its rotary
 PERMUTED_QK_ARCHS = ("llama", "granitemoe", "granitehybrid", gguf_nemotron_h.ARCH)
 # the split rule Ollama's model applies where its file leaves the rule unnamed (`default`): Llama 4's own; Qwen2's, in
@@ -231,8 +232,12 @@ def convert_gguf(parts: list[Path], out: Path, identity: str = "") -> None:
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
     names_arch = "gpt-oss" if arch == gguf_ollama.ARCH else arch
-    names = (MappedNames(names_arch, config, [t.name for t, _ in tensors]) if is_gguf_arch_supported(names_arch)
-             else LegacyNames(names_arch, config, model))
+    if arch == "step35":  # a composite's language model, which transformers' GGUF name maps do not reach
+        names = Step35Names()
+    elif is_gguf_arch_supported(names_arch):
+        names = MappedNames(names_arch, config, [t.name for t, _ in tensors])
+    else:
+        names = LegacyNames(names_arch, config, model)
     if arch == "qwen3next":  # its converter changes the linear attention: undone around the common map
         names = Qwen3NextNames(config, names)
     if arch == gguf_kimi_linear.ARCH:  # likewise: its conv kernels apart, its forget gate renamed
@@ -533,6 +538,8 @@ def gguf_config(source: Path, reader, arch: str, tensor_names: set[str]) -> Pret
         return afmoe_config(source, reader)
     if arch == "mimo2":
         return mimo2_config(source, reader, tensor_names)
+    if arch == "step35":
+        return step35_config(source, reader, tensor_names)
     if arch == "llama4":
         return llama4_config(source, reader)
     if arch == "olmoe":
@@ -920,6 +927,159 @@ def rotated_share(rotated: int, head_dim: int) -> float:
     `rotated / head_dim`, one float step up where that product falls short (e.g. 30 of 88)."""
     share = rotated / head_dim
     return share if int(head_dim * share) == rotated else float(np.nextafter(share, 1.0))
+
+
+def step35_config(source: Path, reader, tensor_names: set[str]) -> Step3p7TextConfig:
+    """StepFun's Step-3.5-Flash (196B-A11B) from llama.cpp's `step35` keys, read as transformers' Step 3.7
+    language model (`step3p5`): sliding and full attention layers as `attention.sliding_window_pattern` says,
+    each kind with its own head count (`attention.head_count`, per layer) and rotary base, a full layer
+    rotating half of what a sliding one does (llama.cpp halves `rope.dimension_count` there); a per-head
+    sigmoid gate on attention's output; a dense layer where the file holds no router, elsewhere a sigmoid
+    router with its correction bias beside a shared expert, SwiGLU clamped per layer where
+    `swiglu_clamp_exp`/`_shexp` say; trailing multi-token-prediction layers left out."""
+    key = arch_keys(reader, "step35", source)
+    _check_vocabulary(source, reader)
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))  # MTP layers come last
+    sliding = [bool(s) for s in per_layer(key("attention.sliding_window_pattern"), layers, source)]
+    full_heads, sliding_heads, kv_heads = _step35_heads(source, key, sliding)
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // (sliding_heads if sliding[0] else full_heads)))
+    _check_step35_head_sizes(source, key, head_dim)
+
+    def limits(name: str) -> list[float]:
+        return [float(v) for v in per_layer(key(name, 0.0), layers, source)]  # 0: not clamped
+
+    return Step3p7TextConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=full_heads, num_sliding_attention_heads=sliding_heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=int(key("feed_forward_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")), n_routed_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        share_expert_dim=int(key("expert_shared_feed_forward_length")),
+        moe_router_scaling_factor=_step35_router_scale(source, key),
+        sliding_window=int(key("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        mlp_layer_types=["sparse" if f"blk.{i}.ffn_gate_inp.weight" in tensor_names else "dense"
+                         for i in range(layers)],
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        swiglu_limits=limits("swiglu_clamp_exp"), swiglu_limits_shared=limits("swiglu_clamp_shexp"),
+        rope_parameters=_step35_rope(source, key, head_dim, tensor_names),
+        bos_token_id=None, eos_token_id=None, **_step35_pad(reader))  # the file's vocabulary's, not Step's
+
+
+def _step35_pad(reader) -> dict[str, int]:
+    """The file's padding id, where it names one (Step's config holds an int: its own default otherwise)."""
+    field = reader.fields.get("tokenizer.ggml.padding_token_id")
+    return {} if field is None else {"pad_token_id": int(field.contents())}
+
+
+def _step35_heads(source: Path, key: Callable[..., Any], sliding: list[bool]) -> tuple[int, int, int]:
+    """Heads of a full and of a sliding attention layer, and the KV heads of every layer: one count per kind
+    of layer and one KV count in all, all that transformers' Step 3.7 can describe; another is refused."""
+    layers = len(sliding)
+    heads = [int(n) for n in per_layer(key("attention.head_count"), layers, source)]
+    kv_heads = [int(n) for n in per_layer(key("attention.head_count_kv", key("attention.head_count")),
+                                          layers, source)]
+    full = {n for n, s in zip(heads, sliding) if not s}
+    window = {n for n, s in zip(heads, sliding) if s}
+    if len(full) > 1 or len(window) > 1:
+        raise CheckpointError(f"{source}: its heads per layer (`step35.attention.head_count` {heads}) are "
+                              f"not one count in full attention layers and one in sliding ones, which is all "
+                              f"transformers' Step 3.7 can describe")
+    if len(set(kv_heads)) > 1:
+        raise CheckpointError(f"{source}: its KV heads per layer (`step35.attention.head_count_kv` "
+                              f"{kv_heads}) differ between layers; transformers' Step 3.7 has one count")
+    return min(full or window), min(window or full), kv_heads[0]
+
+
+def _check_step35_head_sizes(source: Path, key: Callable[..., Any], head_dim: int) -> None:
+    """Refuse value heads, or a sliding layer's heads, of another size than the query/key heads
+    (`head_dim`): transformers' Step 3.7 has one head size."""
+    for name in ("attention.value_length", "attention.key_length_swa", "attention.value_length_swa"):
+        if (size := key(name, head_dim)) != head_dim:
+            raise CheckpointError(f"{source}: `step35.{name}` is {size}, its heads {head_dim} wide "
+                                  f"elsewhere; transformers' Step 3.7 has one head size")
+
+
+def _step35_router_scale(source: Path, key: Callable[..., Any]) -> float:
+    """The routed experts' scale (`expert_weights_scale`, none where 0 or absent, as llama.cpp reads it); a
+    router llama.cpp would run otherwise than transformers' Step 3.7 (a sigmoid over the experts, the top-k
+    weights renormalised) is refused by the key that says so."""
+    if (gating := key("expert_gating_func", 0)) not in (0, SIGMOID_GATING):  # 0: llama.cpp's default
+        raise CheckpointError(f"{source}: its router does not score by a sigmoid "
+                              f"(`step35.expert_gating_func` {gating}), the only way transformers' Step 3.7 "
+                              f"scores")
+    if not key("expert_weights_norm", False):
+        raise CheckpointError(f"{source}: its router's top-k weights are not renormalised "
+                              f"(`step35.expert_weights_norm` false or absent: llama.cpp then runs them as "
+                              f"they are), which transformers' Step 3.7 always does")
+    scale = float(key("expert_weights_scale", 0.0))
+    return scale if scale else 1.0
+
+
+def _step35_rope(source: Path, key: Callable[..., Any], head_dim: int,
+                 tensor_names: set[str]) -> dict[str, Any]:
+    """Unscaled rotary at `rope.freq_base` in full attention layers over half of `rope.dimension_count`
+    (each head's width where absent), at `rope.freq_base_swa` in sliding ones over
+    `rope.dimension_count_swa` (llama.cpp: the full count and base where the file has none)."""
+    factor = float(key("rope.scaling.factor", 1.0))  # 0: none, as llama.cpp reads it
+    scaled = key("rope.scaling.type", "none") != "none" or factor not in (0.0, 1.0)
+    if scaled or "rope_freqs.weight" in tensor_names:
+        raise CheckpointError(f"{source}: its rotary is scaled (`rope_freqs` or `step35.rope.scaling.*`), "
+                              f"which moe-serve does not read for step35")
+    rotated = int(key("rope.dimension_count", head_dim))
+    turned = {"full_attention": rotated // 2,
+              "sliding_attention": int(key("rope.dimension_count_swa", rotated))}
+    for kind, n in turned.items():
+        if n % 2 or not 0 < n <= head_dim:
+            raise CheckpointError(f"{source}: its {kind} layers would turn {n} of each head's {head_dim} "
+                                  f"dimensions (`step35.rope.dimension_count` {rotated}, halved in full "
+                                  f"attention layers), which transformers' Step 3.7 cannot")
+    base = float(key("rope.freq_base", 10000.0))
+    bases = {"full_attention": base, "sliding_attention": float(key("rope.freq_base_swa", base))}
+    return {kind: {"rope_type": "default", "rope_theta": bases[kind],
+                   "partial_rotary_factor": rotated_share(turned[kind], head_dim)} for kind in turned}
+
+
+class Step35Names:
+    """GGUF tensor → the parameter of Step 3.7's language model (`model.language_model...`) by llama.cpp's
+    `step35` names. Its norms are stored plus one (llama.cpp multiplies by w, the model by 1 + w): given
+    back less one. Layers past the model's (multi-token prediction) map to nothing and are not read."""
+
+    LAYER = re.compile(r"blk\.(?P<layer>\d+)\.(?P<leaf>.+)")
+    WHOLE = {"token_embd.weight": "model.language_model.embed_tokens.weight",
+             "output_norm.weight": "model.language_model.norm.weight", "output.weight": "lm_head.weight"}
+    LEAVES = {"attn_norm.weight": "input_layernorm.weight",
+              "ffn_norm.weight": "post_attention_layernorm.weight",
+              **{f"attn_{ours}.{kind}": f"self_attn.{theirs}_proj.{kind}" for kind in ("weight", "bias")
+                 for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))},
+              "attn_q_norm.weight": "self_attn.q_norm.weight",
+              "attn_k_norm.weight": "self_attn.k_norm.weight",
+              "attn_gate.weight": "self_attn.g_proj.weight",  # [heads, H]: one gate per head
+              **{f"ffn_{w}.weight": f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
+              **{f"ffn_{w}_shexp.weight": f"mlp.shared_experts.{w}_proj.weight"
+                 for w in ("gate", "up", "down")},
+              "ffn_gate_inp.weight": "mlp.gate.weight",
+              "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+              "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+              "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
+              "ffn_down_exps.weight": "mlp.experts.down_proj"}
+
+    def target(self, name: str) -> str | None:
+        if name in self.WHOLE:
+            return self.WHOLE[name]
+        m = self.LAYER.fullmatch(name)
+        leaf = self.LEAVES.get(m["leaf"]) if m else None
+        return leaf and f"model.language_model.layers.{m['layer']}.{leaf}"
+
+    def convert(self, name: str, weights: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(weights)
+        return tensor - 1.0 if name.endswith("norm.weight") else tensor
+
+    def check_expert(self, name: str) -> None:
+        """Experts are read from the file as they lie: llama.cpp's converter changes none."""
 
 
 def ernie4_5_moe_config(reader, tensor_names: set[str]) -> Ernie4_5_MoeConfig:

@@ -179,12 +179,13 @@ def test_a_gemma4_files_fused_quantized_experts_are_served_as_the_file_holds_the
         assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mimo_v2_flash"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
+                                    "mimo_v2_flash", "step3p5"])
 def test_a_file_with_a_multi_token_prediction_block_is_served_without_it(family, tmp_path, caplog):
-    """Qwen3.5's, GLM's (GLM-4.7-Flash's in DeepSeek's layout) and MiMo-V2-Flash's files may end with a
-    multi-token-prediction block; GLM-5's always do."""
+    """Qwen3.5's, GLM's (GLM-4.7-Flash's in DeepSeek's layout), MiMo-V2-Flash's and Step-3.5-Flash's files
+    may end with a multi-token-prediction block; GLM-5's always do."""
     model = tiny_gguf_model(family, seed=9)
-    layers = model.config.num_hidden_layers
+    layers = model.config.get_text_config().num_hidden_layers  # Step's: inside its composite
     path = write_gguf(model, tmp_path / "mtp.gguf", "Q8_0", mtp_block=True)
     assert f"blk.{layers}.ffn_gate_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
@@ -702,6 +703,60 @@ def test_a_mimo2_file_from_before_llama_cpp_wrote_the_value_scale_scales_by_mimo
     with caplog.at_level("WARNING", logger="engine.gguf_checkpoint"):
         assert_serves_tokens_of(path, model)
     assert "no `mimo2.attention.value_scale`" in caplog.text
+
+
+@pytest.mark.parametrize("left_out, keys, renamed, says", [
+    ("step35.attention.sliding_window_pattern", {}, {},
+     r"has no `step35.attention.sliding_window_pattern`, which its model needs"),
+    ("step35.attention.head_count", {"attention.head_count": [2, 4, 4]}, {},
+     r"\(`step35.attention.head_count` \[2, 4, 4\]\) are not one count in full attention layers and one in"),
+    ("step35.attention.head_count_kv", {"attention.head_count_kv": [2, 4, 2]}, {},
+     r"\(`step35.attention.head_count_kv` \[2, 4, 2\]\) differ between layers"),
+    ("step35.attention.value_length", {"attention.value_length": 16}, {},
+     r"`step35.attention.value_length` is 16"),
+    ("step35.expert_weights_norm", {}, {},
+     r"not renormalised \(`step35.expert_weights_norm` false or absent"),
+    (None, {"expert_gating_func": 1}, {}, r"does not score by a sigmoid \(`step35.expert_gating_func` 1\)"),
+    (None, {"rope.dimension_count": 6}, {},
+     r"its full_attention layers would turn 3 of each head's 8 dimensions \(`step35.rope.dimension_count` 6"),
+    (None, {}, {"blk.0.attn_q_norm.weight": "rope_freqs.weight"}, r"its rotary is scaled \(`rope_freqs`"),
+    (None, {}, {"blk.1.attn_gate.weight": "blk.1.attn_gates.weight"},
+     r"no tensor for 1 parameters of step3p5 \(model.language_model.layers.1.self_attn.g_proj.weight\)"),
+])
+def test_a_step35_file_its_model_cannot_run_as_written_is_refused_by_name(left_out, keys, renamed, says,
+                                                                         tmp_path, own_state_dir):
+    """A Step-3.5-Flash file without a key llama.cpp requires or a tensor the model needs, or one saying what
+    transformers' Step 3.7 cannot describe (head counts varying within a kind of layer, KV heads varying at
+    all, value heads of another size, a rotated width it cannot give a full layer, Llama 3's scaled rotary)
+    or llama.cpp would run otherwise (top-k weights not renormalised, a softmax router), is refused, naming
+    it."""
+    path = write_gguf(tiny_gguf_model("step3p5"), tmp_path / "llama-cpp.gguf")
+    path = write_relabelled(path, tmp_path / "broken.gguf", "step35", (left_out,) if left_out else (), keys,
+                            renamed=renamed)
+    with pytest.raises(CheckpointError, match=says):
+        resolve_model_path(str(path))
+    assert converted_folders() == []
+
+
+def test_a_step35_files_rotated_width_is_halved_in_full_attention_layers(tmp_path):
+    """llama.cpp rotates `rope.dimension_count` (each head's width where absent) in sliding layers and half of
+    it in full ones, each kind at its own base: a file naming the count reads as one without it; one of half
+    the count rotates half as much in both."""
+    model = tiny_gguf_model("step3p5")
+    path = write_gguf(model, tmp_path / "llama-cpp.gguf")
+
+    def rope(keys: dict) -> dict:
+        rotating = tmp_path / f"rotating-{keys.get('rope.dimension_count')}.gguf"
+        relabelled = write_relabelled(path, rotating, "step35", (), keys)
+        reader = gguf.GGUFReader(relabelled)
+        config = gguf_checkpoint.step35_config(relabelled, reader, {t.name for t in reader.tensors})
+        return config.rope_parameters
+
+    assert rope({}) == rope({"rope.dimension_count": 8}) == model.config.get_text_config().rope_parameters | {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}
+    halved = rope({"rope.dimension_count": 4})
+    shares = [halved[kind]["partial_rotary_factor"] for kind in ("full_attention", "sliding_attention")]
+    assert shares == [0.25, 0.5]
 
 
 def test_a_rotated_share_gives_back_the_dimensions_transformers_rotates():
