@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from fastapi import APIRouter, Request
@@ -179,6 +179,7 @@ class CompletionFormat(DataEvents):
     max_model_len: int
     response_fields: list[str] | None = None
     want_probs: bool = False  # `n_probs`: `completion_probabilities` in every piece and the whole answer
+    held_tokens: list[int] = field(default_factory=list)  # tokens whose text is held back (part of a character)
 
     def choice(self, index: int) -> CompletionFormat:
         return self
@@ -190,9 +191,11 @@ class CompletionFormat(DataEvents):
         return []
 
     def delta(self, event: GenerationEvent, offset: int) -> list[BaseModel]:
+        self.held_tokens.extend(event.token_ids)
         if not (event.text or (self.want_probs and event.logprobs)):
-            return []
-        chunk = lp.CompletionChunk(content=event.text, tokens=list(event.token_ids))
+            return []  # its tokens go with the piece that carries their text, as llama.cpp sends them
+        chunk = lp.CompletionChunk(content=event.text, tokens=self.held_tokens)
+        self.held_tokens = []
         if self.want_probs:
             chunk.completion_probabilities = lp.probabilities(event.logprobs)
         return [chunk]
