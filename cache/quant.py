@@ -338,9 +338,10 @@ def _bytes_of(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int4 values (-8..7) → unsigned nibbles two per byte, even index high: uint8 [out, in/2]."""
+    """int4 values (-8..7) → unsigned nibbles two per byte, even index high: uint8 [out, in/2], contiguous
+    (a transposed weight's `q` is strided, and the CUDA int4 packer refuses strided input)."""
     u = (q.to(torch.int32) + 8).to(torch.uint8)
-    return (u[:, ::2] << 4) | u[:, 1::2]
+    return ((u[:, ::2] << 4) | u[:, 1::2]).contiguous()
 
 
 def _pack_weight(q: torch.Tensor, packing: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ from cache.quant import (
     PER_CHANNEL,
     ParamSpec,
     QuantLayout,
+    _nibbles,
     dequantize,
     grid_step,
     group_size_for,
@@ -220,15 +221,26 @@ def test_bfloat16_compute_stays_within_the_bound_plus_bf16_rounding():
         assert bool(((got - F.linear(x, w)).abs() <= bound).all())
 
 
+def test_nibbles_of_a_transposed_weight_come_out_contiguous():
+    """GPT-OSS stores experts [in, out]: their `q` is a strided view, and the CUDA int4 packer
+    (`torch._convert_weight_to_int4pack`) refused its nibbles on an H200 on 2026-12-04."""
+    w = torch.randn(64, 24)  # [in, out]
+    q, _, _ = quantize(w.t(), "int4", 32, torch.float32)
+    nibbles = _nibbles(q)
+    assert not q.is_contiguous() and nibbles.is_contiguous()
+    assert torch.equal(nibbles, _nibbles(q.contiguous()))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tinygemm int4 layout)")
-def test_cuda_tinygemm_matches_the_float_product():
-    specs, tensors = _expert_tensors(transposed=False, bias=True)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cuda_tinygemm_matches_the_float_product(transposed):
+    specs, tensors = _expert_tensors(transposed=transposed, bias=True)
     layout = plan_layout(specs, "int4", 32, torch.bfloat16, "cuda")
     assert layout["gate_up_proj"].packing == "int4-cuda"
     buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
     pack_expert(layout, tensors, buffer)
     views = unpack_expert(layout, buffer.cuda())
-    w = tensors["gate_up_proj"]
+    w = tensors["gate_up_proj"].t() if transposed else tensors["gate_up_proj"]  # [out, in]
     x = torch.randn(3, H)
     got = views["gate_up_proj"].linear(x.cuda().to(torch.bfloat16)).float().cpu()
     _, scales, _ = quantize(w, "int4", 32, torch.bfloat16)
