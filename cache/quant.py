@@ -205,11 +205,16 @@ def grid_step(grouped: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, t
     return step, on_grid
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`q [out, in]` (int8 values) times its group's scale plus its zero point → `[out, in]` in `dtype`."""
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`q [out, in]` (int8 values) times its group's scale plus its zero point (None: symmetric, none to add)
+    → `[out, in]` in `dtype`. In place after the conversion: on a GPU this runs for every use of an expert
+    in int8, and each pass over a Mixtral-size weight costs about 0.1 ms."""
     out_f, in_f = q.shape
     groups = scales.shape[1]
-    w = q.reshape(out_f, groups, in_f // groups).to(dtype) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
+    w = q.reshape(out_f, groups, in_f // groups).to(dtype, copy=True)
+    w.mul_(scales.to(dtype)[..., None])
+    if zeros is not None:
+        w.add_(zeros.to(dtype)[..., None])
     return w.reshape(out_f, in_f)
 
 
@@ -406,7 +411,7 @@ class QuantizedWeight:
         if self.packing == "mxfp4":
             return dequantize_mxfp4(self.data, self.scales, dtype)
         if self.packing in ("int8", "int8-cpu"):
-            return dequantize(self.data, self.scales, torch.zeros_like(self.scales), dtype)
+            return dequantize(self.data, self.scales, None, dtype)
         if self.packing == "int4-plain":
             high, low = (self.data >> 4).to(torch.int8) - 8, (self.data & 15).to(torch.int8) - 8
             q = torch.stack([high, low], dim=-1).reshape(self.shape)

@@ -281,7 +281,9 @@ def _linear(
     if isinstance(weight, QuantizedWeight):
         y = weight.linear(x)
     else:
-        y = torch.matmul(x, weight if transposed else weight.transpose(-1, -2))
+        # bmm, not matmul: with one expert (n = 1) matmul folds the batch away and, in bfloat16 on the CPU, takes
+        # a path ~40× slower for the transposed view (a Mixtral expert: ~250 ms instead of ~7 ms on 16 cores)
+        y = torch.bmm(x, weight if transposed else weight.transpose(-1, -2))
     return y if bias is None else y + bias.unsqueeze(-2)
 
 
