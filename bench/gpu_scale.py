@@ -279,12 +279,14 @@ def predict(row: dict, variant: Variant, shape: ModelShape, link_gbps: float, re
     if variant.prefetch:
         lookahead = row["lookahead_accuracy"] if row["lookahead_accuracy"] is not None else DEFAULT_LOOKAHEAD_ACCURACY
     header, requests = load_trace(row["trace"])
-    result = replay(header, requests, variant.policy, row["capacity"], variant.prefetch, spec, lookahead)
+    # with prefetch the gate learns a layer's compute from the clock, as the engine does on CUDA
+    result = replay(header, requests, variant.policy, row["capacity"], variant.prefetch, spec, lookahead,
+                    learn_overlap=variant.prefetch)
     command = ["python", "-m", "cache.replay", row["trace"], "--policy", variant.policy,
                "--capacity", str(row["capacity"]), "--timed", "--expert-mb", f"{spec.expert_bytes / 1e6:g}",
                "--link-gbps", f"{link_gbps:.2f}", "--compute-ms", f"{spec.compute_ms:.4f}"]  # fmt: skip
     if variant.prefetch:
-        command += ["--prefetch", "--lookahead-accuracy", f"{lookahead:.3f}"]
+        command += ["--prefetch", "--lookahead-accuracy", f"{lookahead:.3f}", "--learn-overlap"]
     if cpu_gbps:
         command += ["--cpu-gbps", f"{cpu_gbps:.2f}", *([] if spec.share_misses else ["--no-share-misses"])]
     return {

@@ -90,8 +90,10 @@ class Prefetcher:
         background: bool,
         limit: int,
         cost: PrefetchCost | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cache = cache
+        self.clock = clock  # seconds; the timed replay passes its simulated clock
         self.routers = routers  # routers[l]: MoE layer l's router, for look-ahead from layer l-1
         self.limit = limit  # most prefetches issued after one layer
         self.cost = cost  # None: issue every guess
@@ -151,7 +153,7 @@ class Prefetcher:
     def _time_layer(self, phase: str) -> None:
         """Time from one decode layer's prefetch point to the next one's, less the link time of
         the demand copies in between (compute waits for them): one layer's compute."""
-        now, misses = time.perf_counter(), self.cache.stats.totals()["misses"]
+        now, misses = self.clock(), self.cache.stats.totals()["misses"]
         last, self._last_mark = self._last_mark, (now, misses, phase)
         if last is not None and phase == "decode" and last[2] == "decode":
             compute_ms = 1000 * (now - last[0]) - (misses - last[1]) * self.cost.copy_ms

@@ -163,6 +163,7 @@ def replay(
     link: LinkSpec | None = None,
     lookahead_accuracy: float | None = None,
     gate: bool = True,
+    learn_overlap: bool = False,
 ) -> dict:
     """Run the trace through `ExpertCache` + policy; the counts of the DESIGN.md contract.
 
@@ -170,6 +171,8 @@ def replay(
     prefetch, guess each decode step's next layer as the engine's look-ahead router does,
     right for that share of its experts (the trace holds no hidden states to apply a router to).
     `gate`: with a link, prefetch only while guesses are accurate enough to pay (`PrefetchCost`).
+    `learn_overlap`: the gate learns one layer's compute from the simulated clock, as the engine
+    learns it from the wall clock on CUDA, instead of taking `link.compute_ms` as known.
     """
     started = time.perf_counter()
     if isinstance(policy, str):
@@ -177,7 +180,9 @@ def replay(
     stats = {"prefill": CacheStats(header.num_layers), "decode": CacheStats(header.num_layers)}
     backend = DryRunBackend(bytes_per_expert=1) if link is None else TimedBackend(Link(link))
     cache = ExpertCache(capacity, policy, stats["decode"], backend)
-    cost = PrefetchCost(link.copy_ms(link.expert_bytes), link.compute_ms) if link is not None and gate else None
+    cost = None
+    if link is not None and gate:
+        cost = PrefetchCost(link.copy_ms(link.expert_bytes), 0.0 if learn_overlap else link.compute_ms, learn_overlap)
     clock = _drive(cache, header, iter_steps(header, requests), stats, prefetch, lookahead_accuracy, cost)
     result = summarize(policy.name, capacity, header, len(requests), stats)
     result["prefetch"] = prefetch
@@ -216,11 +221,12 @@ def _drive(cache: ExpertCache, header: TraceHeader, steps, stats: dict, prefetch
     """Each step through `ExpertRuntime.run_step`, as the engine runs it (prefetch at the same point)."""
     runtime = ExpertRuntime(cache, header.num_layers, header.num_experts, header.top_k)
     lookahead = SimulatedLookahead(header, lookahead_accuracy) if lookahead_accuracy is not None else None
+    link = getattr(cache.backend, "link", None)
     if prefetch:
         routers = lookahead.routers() if lookahead else [None] * header.num_layers
+        clock = (lambda: link.now / 1000) if link is not None else time.perf_counter
         runtime.prefetcher = Prefetcher(cache, routers, background=False,
-                                        limit=PREFETCH_LIMIT_PER_TOP_K * header.top_k, cost=cost)
-    link = getattr(cache.backend, "link", None)
+                                        limit=PREFETCH_LIMIT_PER_TOP_K * header.top_k, cost=cost, clock=clock)
     clock = DecodeClock()
     wait_only = None if link is None else _no_compute  # with a link, `run_step` waits for each copy
     on_host = _host_executor(runtime, link)
@@ -474,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     link = link_spec(args) if args.timed else None
     capacity = capacity_of(header, args.capacity, args.capacity_frac)
     result = replay(header, requests, args.policy, capacity, args.prefetch, link, args.lookahead_accuracy,
-                    gate=not args.no_prefetch_gate)
+                    gate=not args.no_prefetch_gate, learn_overlap=args.learn_overlap)
     if args.json:
         print(json.dumps(result))
     else:
@@ -523,6 +529,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --cpu-gbps: compute each miss whole on one side (no expert shared by both)")
     timed.add_argument("--no-prefetch-gate", action="store_true",
                        help="issue every guess, however inaccurate (the engine before the cost gate)")
+    timed.add_argument("--learn-overlap", action="store_true",
+                       help="the gate learns a layer's compute from the simulated clock, as the engine does on CUDA "
+                            "(default: it is given --compute-ms)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--sweep", action="store_true", help="every policy at every --fracs capacity")
     parser.add_argument("--fracs", default=",".join(str(f) for f in DEFAULT_FRACS))

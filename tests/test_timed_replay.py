@@ -134,3 +134,15 @@ def test_the_engine_learns_the_compute_window_from_decode_layers_net_of_demand_c
         cost.observe_layer(ms)
     assert cost.overlap_ms == pytest.approx(5.0)
     assert cost.worth(0.1, spent_ms=0.0)
+
+
+def test_the_replay_gate_can_learn_the_compute_window_from_its_clock_as_the_engine_does():
+    header, requests = random_routing(200)
+    fast_link = LinkSpec(expert_bytes=10 * MB, link_gbps=10.0, compute_ms=3.0)  # 1 ms copies, 3 ms layers
+    off = replay(header, requests, "lru", 8, link=fast_link)
+    learned = replay(header, requests, "lru", 8, prefetch=True, link=fast_link, lookahead_accuracy=0.9, learn_overlap=True)
+    assert learned["prefetches"] > 0 and learned["tpot_ms"] < off["tpot_ms"]
+    slow_link = LinkSpec(expert_bytes=100 * MB, link_gbps=10.0, compute_ms=1.0)  # 10 ms copies, 1 ms layers
+    off = replay(header, requests, "lru", 8, link=slow_link)
+    wrong = replay(header, requests, "lru", 8, prefetch=True, link=slow_link, lookahead_accuracy=0.3, learn_overlap=True)
+    assert wrong["prefetches"] == 0 and wrong["tpot_ms"] == off["tpot_ms"]
