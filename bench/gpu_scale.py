@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import PROMPT, engine_run, transformers_tpot
+from bench.gpu_targets import merge_repeats
 from bench.gpu_targets import section as targets_section
 from bench.scale_models import SHAPES, ModelShape, tiny, write_checkpoint
 from cache.quant import QUANT_DTYPES
@@ -341,21 +342,27 @@ def build(key: str, shape: ModelShape, settings: Settings) -> Path | None:
     return folder
 
 
-def schedule(shapes: dict[str, ModelShape], variants: list[Variant]) -> list[tuple[str, int, Variant]]:
+def schedule(shapes: dict[str, ModelShape], variants: list[Variant], repeats: int = 1) -> list[tuple[str, int, Variant]]:
     """Group by group in plan order (transformers, all-resident, each cache size, accelerate), both
-    shapes in each group: when the budget cuts the tail, it cuts the least needed rows of both."""
+    shapes in each group: when the budget cuts the tail, it cuts the least needed rows of both.
+    `repeats`: each group's rows run that many times in turn (ABC ABC), so that the rows a target
+    compares are measured side by side, and a slow spell of the machine falls on all of them."""
     groups = list(dict.fromkeys((v.kind, v.fraction) for v in variants))
     keys = list(shapes)
-    jobs = [(key, n, v) for key in shapes for n, v in enumerate(variants)]
-    return sorted(jobs, key=lambda job: (groups.index((job[2].kind, job[2].fraction)), keys.index(job[0]), job[1]))
+    jobs = [(key, n, v, r) for key in shapes for n, v in enumerate(variants) for r in range(repeats)]
+    ordered = sorted(jobs, key=lambda job: (groups.index((job[2].kind, job[2].fraction)), job[3], keys.index(job[0]), job[1]))
+    return [(key, n, v) for key, n, v, _ in ordered]
 
 
 def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Settings, link: dict,
-            budget: Budget) -> list[dict]:  # fmt: skip
+            budget: Budget, repeats: int = 1) -> list[dict]:  # fmt: skip
+    """Every row's JSON line as it is measured; returned merged, one per variant (`merge_repeats`)."""
     folders = {key: build(key, shape, settings) for key, shape in shapes.items()}
-    resident_tpot_ms: dict[str, float] = {}  # per shape, from its all-resident row
+    resident_tpot_ms: dict[str, list[float]] = {}  # per shape, its all-resident runs (they all run before the rest)
     rows = []
-    for key, n, variant in schedule(shapes, variants):
+    runs_of = Counter()
+    for key, n, variant in schedule(shapes, variants, repeats):
+        runs_of[key, n] += 1
         shape = shapes[key]
         row = {"kind": "row", "shape": key, "runner": variant.kind, "variant": variant.label(), "policy": variant.policy,
                "prefetch": variant.prefetch, "fraction": variant.fraction if variant.kind == "moe-serve" else None}  # fmt: skip
@@ -368,25 +375,27 @@ def run_all(shapes: dict[str, ModelShape], variants: list[Variant], settings: Se
             row.update(kind="skipped", reason=f"would end past the {budget.seconds:.0f} s budget")
         else:
             started = time.perf_counter()
-            row.update(measure_row(folders[key], key, n, variant, shape, settings))
+            row.update(measure_row(folders[key], key, n, variant, shape, settings, f"{key}-{n}-{runs_of[key, n]}"))
             if row["kind"] == "row" and variant.kind == "moe-serve":
                 if variant.fraction >= 1:
-                    resident_tpot_ms[key] = row["tpot_ms"]
+                    resident_tpot_ms.setdefault(key, []).append(row["tpot_ms"])
                 if key in resident_tpot_ms:
-                    row.update(predict_row(row, variant, shape, link[key]["gbps"], resident_tpot_ms[key], settings.dtype))
+                    resident = statistics.median_low(resident_tpot_ms[key])
+                    row.update(predict_row(row, variant, shape, link[key]["gbps"], resident, settings.dtype))
             row["seconds"] = round(time.perf_counter() - started, 2)
             budget.record(key, variant.kind, row["seconds"])
             if settings.device.type == "cuda":
                 row["gpu_allocated_gib_after"] = round(torch.cuda.memory_allocated(settings.device) / GIB, 3)
         emit(row)
         rows.append(row)
-    return rows
+    return merge_repeats(rows)
 
 
-def measure_row(folder: Path, key: str, n: int, variant: Variant, shape: ModelShape, settings: Settings) -> dict:
+def measure_row(folder: Path, key: str, n: int, variant: Variant, shape: ModelShape, settings: Settings,
+                slug: str) -> dict:  # fmt: skip
     """The row's measurements, or why it failed: one broken row must not cost the others on a lent machine."""
     try:
-        return run_row(folder, key, n, variant, shape, settings)
+        return run_row(folder, variant, shape, settings, slug)
     except Exception as e:
         traceback.print_exc()
         return {"kind": "failed", "reason": f"{type(e).__name__}: {e}"}
@@ -403,9 +412,9 @@ def predict_row(row: dict, variant: Variant, shape: ModelShape, link_gbps: float
         return {"replay_failed": f"{type(e).__name__}: {e}"}
 
 
-def run_row(folder: Path, key: str, n: int, variant: Variant, shape: ModelShape, settings: Settings) -> dict:
+def run_row(folder: Path, variant: Variant, shape: ModelShape, settings: Settings, slug: str) -> dict:
     if variant.kind == "moe-serve":
-        return run_engine(folder, variant, shape, settings, f"{key}-{n}")
+        return run_engine(folder, variant, shape, settings, slug)
     return run_transformers(folder, variant, shape, settings)
 
 
@@ -423,6 +432,8 @@ def table(env: dict, link: dict, shapes: dict[str, ModelShape], rows: list[dict]
     lines = [f"### `{env['command']}` — {env['date']}, {what}", "",
              f"torch {env['torch']}, transformers {env['transformers']}, accelerate {env['accelerate']}; "
              f"{env['rounds']} × {env['tokens']} greedy tokens per row after a warm-up, medians; "
+             + (f"each row run {env['repeats']} times in turn, its median TPOT (range); "
+                if env.get("repeats", 1) > 1 else "") +
              "hit rate and GB per token over the decode steps; replay: `cache.replay --timed` on the row's "
              "own routing trace (error = replay / measured − 1).", "",
              "| copy | GB/s |", "|---|---|"]  # fmt: skip
@@ -452,7 +463,10 @@ def _table_row(row: dict) -> str:
         variant += f", {_size(row['gpu_budget_bytes'])} GPU budget (layers: {_placement_text(row['placement'])})"
     if row["kind"] != "row":  # skipped or failed
         return f"| {variant} | {row.get('cache', '—')} | {row['kind']}: {row['reason']} | | | | | |"
-    cells = [variant, row.get("cache", "—"), f"{row['tpot_ms']:.2f}", f"{row['ttft_ms']:.1f}",
+    tpot = f"{row['tpot_ms']:.2f}"
+    if "tpot_ms_runs" in row:  # the median of the runs, and their range
+        tpot += f" ({min(row['tpot_ms_runs']):.2f}-{max(row['tpot_ms_runs']):.2f})"
+    cells = [variant, row.get("cache", "—"), tpot, f"{row['ttft_ms']:.1f}",
              _num(row.get("hit_rate"), ".2f"), _num(row.get("gb_per_token"), ".3f"),
              _num(row.get("replay_tpot_ms"), ".2f"), _num(row.get("replay_error"), "+.1%")]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
@@ -483,7 +497,7 @@ def environment(args: argparse.Namespace, argv: list[str], device: torch.device)
         "kind": "env", "date": datetime.date.today().isoformat(), "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-        "dry_run": args.dry_run, "quick": args.quick, "rounds": args.rounds, "tokens": args.tokens,
+        "dry_run": args.dry_run, "quick": args.quick, "rounds": args.rounds, "tokens": args.tokens, "repeats": args.repeats,
         "budget_s": args.budget_s, "command": shlex.join(["python", "-m", "bench.gpu_scale", *argv]),
     }  # fmt: skip
 
@@ -516,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                             Path(tmp))  # fmt: skip
         link = measure_link(shapes, settings, GIB if device.type == "cuda" else 64 << 20)
         emit({"kind": "link", **link})
-        rows = run_all(shapes, variants, settings, link, budget)
+        rows = run_all(shapes, variants, settings, link, budget, args.repeats)
     text = table(env, link, shapes, rows, dtype) + targets_section(rows)
     print(text, end="")
     if args.out:
@@ -548,6 +562,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", help=f"comma list of {', '.join(SHAPES)} (default: all; --quick: deepseek)")
     parser.add_argument("--rounds", type=int, help="requests per row (default 3; --quick 1)")
     parser.add_argument("--tokens", type=int, help="greedy tokens per request (default 32)")
+    parser.add_argument("--repeats", type=int, default=1, help="run each cache size's rows this many times in "
+                        "turn; the table gives each row's median TPOT and range (default 1)")  # fmt: skip
     parser.add_argument("--warmup-tokens", type=int, help="tokens of the warm-up request per row (default 4)")
     parser.add_argument("--accelerate-tokens", type=int, help="tokens of the accelerate row's one request (default 5)")
     parser.add_argument("--budget-s", type=float, help=f"skip rows that would end later (default {FULL_BUDGET_S:.0f}; "

@@ -4,7 +4,9 @@
 #   here:   bash bench/gpu_wheels.sh
 #   device: run with carry [".whl"], timeout_s 600, command `bash bench/gpu_session.sh`
 # GPU_SCALE_BUDGET_S (default 330) bounds the benchmark's rows; CUDA_CHECK_S (default 180)
-# bounds the checks; GPU_SCALE_ARGS adds flags (`--dry-run` runs that half here on CPU). Record the numbers in bench/RESULTS.md (and the table: $OUT/gpu_scale.md).
+# bounds the checks; GPU_SCALE_REPEATS (default 2) runs each row that many times in turn, since one run
+# of a row was seen 0.8-1.5x another of the same work on an H200 (2026-12-04); GPU_SCALE_ARGS adds flags
+# (`--dry-run` runs that half here on CPU, `--shapes mixtral` one shape). Record the numbers in bench/RESULTS.md (and the table: $OUT/gpu_scale.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session}
@@ -25,5 +27,5 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 timeout "${CUDA_CHECK_S:-180}" python3 -m bench.cuda_check --out "$OUT/cuda_check.json" > "$OUT/cuda_check.log" 2>&1
 echo "cuda_check exit $?"; tail -n 40 "$OUT/cuda_check.log"
 timeout $(( ${GPU_SCALE_BUDGET_S:-330} + 60 )) python3 -m bench.gpu_scale --budget-s "${GPU_SCALE_BUDGET_S:-330}" \
-  --out "$OUT/gpu_scale.md" ${GPU_SCALE_ARGS:-} > "$OUT/gpu_scale.jsonl" 2>&1
+  --repeats "${GPU_SCALE_REPEATS:-2}" --out "$OUT/gpu_scale.md" ${GPU_SCALE_ARGS:-} > "$OUT/gpu_scale.jsonl" 2>&1
 echo "gpu_scale exit $?"; cat "$OUT/gpu_scale.md" 2>/dev/null || tail -n 40 "$OUT/gpu_scale.jsonl"

@@ -13,7 +13,17 @@ import pytest
 import torch
 
 import bench.gpu_scale as gpu_scale
-from bench.gpu_scale import Budget, Settings, Variant, placement, plan, run_all, schedule, table
+from bench.gpu_scale import (
+    Budget,
+    Settings,
+    Variant,
+    merge_repeats,
+    placement,
+    plan,
+    run_all,
+    schedule,
+    table,
+)
 from bench.scale_models import SHAPES, tiny
 from cache.quant import QUANT_DTYPES
 
@@ -154,6 +164,33 @@ def test_schedule_runs_each_group_for_both_shapes_and_accelerate_last():
                                                          ("a", "moe-serve"), ("b", "moe-serve")]  # fmt: skip
     assert [v.fraction for _, _, v in jobs[2:]][:18] == [1, 1, *[1 / 4] * 16]
     assert [(key, v.kind) for key, _, v in jobs[-2:]] == [("a", "accelerate"), ("b", "accelerate")]
+
+
+def test_repeats_run_each_groups_rows_in_turn():
+    variants = [Variant("moe-serve"), Variant("moe-serve", 1 / 4), Variant("moe-serve", 1 / 4, prefetch=True)]
+    jobs = schedule({"a": SHAPES["mixtral"]}, variants, repeats=2)
+    assert [(n, v.fraction) for _, n, v in jobs] == [(0, 1), (0, 1), (1, 1 / 4), (2, 1 / 4), (1, 1 / 4), (2, 1 / 4)]
+
+
+def test_merged_repeats_keep_the_median_run_and_every_runs_tpot():
+    def row(tpot: float, kind: str = "row", variant: str = "v") -> dict:
+        if kind != "row":
+            return {"kind": kind, "shape": "a", "variant": variant, "cache": "8/32", "reason": "r"}
+        return {"kind": kind, "shape": "a", "variant": variant, "cache": "8/32", "tpot_ms": tpot, "hit_rate": tpot / 100}
+
+    merged = merge_repeats([row(15.8), row(12.6), row(13.1), row(0, "skipped", "w"), row(0, "skipped", "w"),
+                            row(0, "failed", "x"), row(20.0, variant="x")])  # fmt: skip
+    by_variant = {r["variant"]: r for r in merged}
+    assert by_variant["v"]["tpot_ms"] == 13.1 and by_variant["v"]["hit_rate"] == 0.131  # the median run, whole
+    assert by_variant["v"]["tpot_ms_runs"] == [12.6, 13.1, 15.8]
+    assert by_variant["w"]["kind"] == "skipped"
+    assert by_variant["x"]["tpot_ms"] == 20.0 and "tpot_ms_runs" not in by_variant["x"]  # its one measured run
+    env = {"dry_run": True, "device": "cpu", "device_name": "cpu", "command": "x", "date": "d", "torch": "t",
+           "transformers": "t", "accelerate": "a", "rounds": 1, "tokens": 3, "repeats": 3}  # fmt: skip
+    link = {"big": {"bytes": 1 << 20, "gbps": 10.0}, "a": {"bytes": 1 << 10, "gbps": 10.0}}
+    merged = [dict(r, runner="moe-serve", fraction=0.25, policy="lru", prefetch=False, ttft_ms=1.0) for r in merged]
+    text = table(env, link, {"a": SHAPES["mixtral"]}, merged, torch.bfloat16)
+    assert "| v | 8/32 | 13.10 (12.60-15.80) |" in text and "run 3 times in turn" in text
 
 
 def test_a_failing_row_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
