@@ -225,28 +225,41 @@ def check_quantized(tmp: Path) -> dict:
     return results
 
 
+def sections(tmp: Path, report: dict, out: str | None) -> dict[str, Callable[[], dict]]:
+    """Each check by name, in the order they run."""
+    return {
+        "streams": lambda: check_pinned_and_streams(_mixtral(tmp / "streams")),
+        "default_sizing": lambda: check_default_sizing(_mixtral(tmp / "streams")),
+        "quantized": lambda: check_quantized(tmp),
+        "host_executor": lambda: check_host_executor(tmp),
+        "prefix_reuse": lambda: check_prefix_reuse(tmp),
+        "prefix_host_tier": lambda: check_prefix_host_tier(tmp),
+        "tpot": lambda: run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3)),
+        "embeddings": lambda: check_embeddings(tmp),
+        # last and the longest (76 families): what a time limit cuts is the tail of the family list
+        "equivalence": lambda: check_equivalence(tmp, report.setdefault("equivalence", {}), lambda: _write(report, out)),
+    }
+
+
+SECTIONS = tuple(sections(Path(), {}, None))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"a comma list of the checks to run (they run in this order): {','.join(SECTIONS)}")
     args = parser.parse_args()
+    wanted = args.sections.split(",")
+    if unknown := set(wanted) - set(SECTIONS):
+        parser.error(f"--sections: unknown {', '.join(sorted(unknown))}")
     assert torch.cuda.is_available(), "no CUDA device"
     report: dict = {"device": torch.cuda.get_device_name()}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        sections = {
-            "streams": lambda: check_pinned_and_streams(build_checkpoint("mixtral", tmp / "streams")),
-            "default_sizing": lambda: check_default_sizing(tmp / "streams"),
-            "quantized": lambda: check_quantized(tmp),
-            "host_executor": lambda: check_host_executor(tmp),
-            "prefix_reuse": lambda: check_prefix_reuse(tmp),
-            "prefix_host_tier": lambda: check_prefix_host_tier(tmp),
-            "tpot": lambda: run_tpot(argparse.Namespace(device="cuda", tokens=64, rounds=3)),
-            "embeddings": lambda: check_embeddings(tmp),
-            # last and the longest (76 families): what a time limit cuts is the tail of the family list
-            "equivalence": lambda: check_equivalence(tmp, report.setdefault("equivalence", {}),
-                                                     lambda: _write(report, args.out)),
-        }
-        for name, run in sections.items():  # each result kept as it comes: a timeout loses only the rest
+        # each result kept as it comes: a timeout loses only the rest
+        for name, run in sections(Path(tmp), report, args.out).items():
+            if name not in wanted:
+                continue
             try:
                 report[name] = run()
             except Exception as e:
@@ -256,6 +269,11 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     if any(isinstance(v, dict) and "error" in v for v in report.values()):
         sys.exit(1)
+
+
+def _mixtral(folder: Path) -> Path:
+    """The Mixtral test checkpoint, built once for the sections that share it."""
+    return folder if (folder / "config.json").exists() else build_checkpoint("mixtral", folder)
 
 
 def _write(report: dict, out: str | None) -> None:

@@ -4,7 +4,7 @@
 #   here:   bash bench/gpu_wheels.sh
 #   device: run with carry [".whl"], timeout_s 600, command `bash bench/gpu_session.sh`
 # GPU_SCALE_BUDGET_S (default 330) bounds the benchmark's rows; CUDA_CHECK_S (default 180)
-# bounds the checks; GPU_SCALE_REPEATS (default 2) runs each row that many times in turn, since one run
+# bounds the checks (CUDA_CHECK_ARGS: `--sections quantized,host_executor` runs only those); GPU_SCALE_REPEATS (default 2) runs each row that many times in turn, since one run
 # of a row was seen 0.8-1.5x another of the same work on an H200 (2026-12-04); GPU_SCALE_ARGS adds flags
 # (`--dry-run` runs that half here on CPU, `--shapes mixtral` one shape). Record the numbers in bench/RESULTS.md (and the table: $OUT/gpu_scale.md).
 set -uo pipefail
@@ -24,7 +24,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pc
   --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
   | tee -a "$OUT/gpu.txt"
-timeout "${CUDA_CHECK_S:-180}" python3 -m bench.cuda_check --out "$OUT/cuda_check.json" > "$OUT/cuda_check.log" 2>&1
+timeout "${CUDA_CHECK_S:-180}" python3 -m bench.cuda_check --out "$OUT/cuda_check.json" ${CUDA_CHECK_ARGS:-} \
+  > "$OUT/cuda_check.log" 2>&1
 echo "cuda_check exit $?"; tail -n 40 "$OUT/cuda_check.log"
 timeout $(( ${GPU_SCALE_BUDGET_S:-330} + 60 )) python3 -m bench.gpu_scale --budget-s "${GPU_SCALE_BUDGET_S:-330}" \
   --repeats "${GPU_SCALE_REPEATS:-2}" --out "$OUT/gpu_scale.md" ${GPU_SCALE_ARGS:-} > "$OUT/gpu_scale.jsonl" 2>&1
