@@ -50,6 +50,7 @@ class OffloadedExperts:
         self.pool = pool  # [S, numel]: float weights in `layer.layout`, or uint8 bytes in `quant`'s
         self.quant = quant
         self.slot_params = layer.layout.views(pool) if quant is None else {}  # name → [S, *per-expert shape]
+        self._slot_views: dict[int, dict[str, torch.Tensor | QuantizedWeight]] = {}  # see `_slot_params`
         self.layout = layer.layout
         self.up = "gate_up_proj" if self.module.has_gate else "up_proj"
         small = layer.layout.numel * pool.element_size() <= STACK_MAX_BYTES.get(pool.device.type, 0)
@@ -235,10 +236,17 @@ class OffloadedExperts:
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
 
     def _slot_params(self, slot: int) -> dict[str, torch.Tensor | QuantizedWeight]:
-        """One slot's expert as `_experts` takes it (float: `[1, ...]` views of the slot pool)."""
-        if self.quant is None:
-            return {name: p[slot : slot + 1] for name, p in self.slot_params.items()}
-        return self._expert_params(self.pool[slot])
+        """One slot's expert as `_experts` takes it (float: `[1, ...]` views of the slot pool). Views, made
+        once per slot (unpacking a quantized expert's views takes ~20 µs of Python): a refill of the slot
+        writes the bytes they see."""
+        params = self._slot_views.get(slot)
+        if params is None:
+            if self.quant is None:
+                params = {name: p[slot : slot + 1] for name, p in self.slot_params.items()}
+            else:
+                params = self._expert_params(self.pool[slot])
+            self._slot_views[slot] = params
+        return params
 
     def _expert_params(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | QuantizedWeight]:
         """One expert's buffer (a slot or a host buffer) as `_experts` takes it for n = 1: float views
