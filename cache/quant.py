@@ -206,16 +206,48 @@ def grid_step(grouped: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """`q [out, in]` (int8 values) times its group's scale plus its zero point (None: symmetric, none to add)
-    → `[out, in]` in `dtype`. In place after the conversion: on a GPU this runs for every use of an expert
-    in int8, and each pass over a Mixtral-size weight costs about 0.1 ms."""
-    out_f, in_f = q.shape
-    groups = scales.shape[1]
-    w = q.reshape(out_f, groups, in_f // groups).to(dtype, copy=True)
+    """`q [..., out, in]` (int8 values) times its group's scale `[..., out, G]` plus its zero point (None:
+    symmetric, none to add) → `[..., out, in]` in `dtype`. In place after the conversion: on a GPU this runs
+    for every use of an expert in int8, and each pass over a Mixtral-size weight costs about 0.1 ms."""
+    *lead, out_f, in_f = q.shape
+    groups = scales.shape[-1]
+    w = q.reshape(*lead, out_f, groups, in_f // groups).to(dtype, copy=True)
     w.mul_(scales.to(dtype)[..., None])
     if zeros is not None:
         w.add_(zeros.to(dtype)[..., None])
-    return w.reshape(out_f, in_f)
+    return w.reshape(*lead, out_f, in_f)
+
+
+def _from_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """Plain int4's bytes `[..., out, in/2]` (two values each, even index high) → int8 values `[..., out, in]`."""
+    high, low = (data >> 4).to(torch.int8) - 8, (data & 15).to(torch.int8) - 8
+    return torch.stack([high, low], dim=-1).reshape(*data.shape[:-1], 2 * data.shape[-1])
+
+
+BATCH_DEQUANTIZED = ("raw", "int8", "int8-cpu", "int4-plain")  # packings `dequantize_slots` reads
+
+
+def dequantize_slots(layout: QuantLayout, rows: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """k experts at once from their buffers `rows` (uint8 [k, nbytes], any device), in `dtype`: each weight
+    `[k, out, in]`, or a `[k, in, out]` view when the family stores it so (as its float experts are), and
+    raw tensors (biases) `[k, *shape]`. Every packing of `layout` must be in `BATCH_DEQUANTIZED`."""
+    k = rows.shape[0]
+    params = {}
+    for t in layout.tensors:
+        data = rows[:, t.offset : t.offset + t.nbytes]
+        if t.packing == "raw":
+            params[t.name] = data.view(layout.compute_dtype).view(k, *t.shape)
+            continue
+        out_f, in_f = t.shape
+        scales = rows[:, t.scale_offset : t.scale_offset + t.scale_nbytes]
+        scales = scales.view(scale_dtype(t.packing, layout.compute_dtype)).view(k, *scale_shape(t))
+        if t.packing == "int4-plain":  # scale and zero point [k, G, out, 2]
+            q = _from_nibbles(data.view(k, out_f, in_f // 2))
+            w = dequantize(q, scales[..., 0].transpose(1, 2), scales[..., 1].transpose(1, 2), dtype)
+        else:
+            w = dequantize(data.view(torch.int8).view(k, out_f, in_f), scales, None, dtype)
+        params[t.name] = w.transpose(1, 2) if t.transposed else w
+    return params
 
 
 # -- packing: which form each weight takes on a device --------------------------------------------
@@ -413,9 +445,7 @@ class QuantizedWeight:
         if self.packing in ("int8", "int8-cpu"):
             return dequantize(self.data, self.scales, None, dtype)
         if self.packing == "int4-plain":
-            high, low = (self.data >> 4).to(torch.int8) - 8, (self.data & 15).to(torch.int8) - 8
-            q = torch.stack([high, low], dim=-1).reshape(self.shape)
-            return dequantize(q, self.scales[..., 0].t(), self.scales[..., 1].t(), dtype)
+            return dequantize(_from_nibbles(self.data), self.scales[..., 0].t(), self.scales[..., 1].t(), dtype)
         raise ValueError(f"{self.packing} weights are read by their kernel only")
 
 

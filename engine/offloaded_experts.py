@@ -30,7 +30,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from cache.quant import QuantizedWeight, QuantLayout, runs_on_cpu, unpack_expert
+from cache.quant import (
+    BATCH_DEQUANTIZED,
+    QuantizedWeight,
+    QuantLayout,
+    dequantize_slots,
+    runs_on_cpu,
+    unpack_expert,
+)
 from cache.runtime import ExpertRuntime
 from engine.moe_layers import NO_EXPERT, MoELayer, has_zero_experts
 
@@ -53,8 +60,11 @@ class OffloadedExperts:
         self._slot_views: dict[int, dict[str, torch.Tensor | QuantizedWeight]] = {}  # see `_slot_params`
         self.layout = layer.layout
         self.up = "gate_up_proj" if self.module.has_gate else "up_proj"
-        small = layer.layout.numel * pool.element_size() <= STACK_MAX_BYTES.get(pool.device.type, 0)
-        self.stack = quant is None and small  # quantized weights have no batched kernel
+        itemsize = pool.element_size() if quant is None else quant.compute_dtype.itemsize
+        small = layer.layout.numel * itemsize <= STACK_MAX_BYTES.get(pool.device.type, 0)
+        # a decode step's experts in one batched product: float ones, and quantized ones that dequantize (the
+        # kernels' layouts, tinygemm's int4 and the CPU's, compute one expert at a time)
+        self.stack = small and (quant is None or all(t.packing in BATCH_DEQUANTIZED for t in quant.tensors))
         # the host executor (`--cpu-experts`): the module's own parameters (a post-expert norm) live on the device,
         # and tinygemm's int4 layout has no CPU kernel
         self.host_capable = (
@@ -211,8 +221,7 @@ class OffloadedExperts:
         """One token: `row` its k experts (host), `weights` [1, k], `slot_of` the turn's slots."""
         positions = [k for k, expert in enumerate(row) if expert in slot_of]
         if self.stack and len(positions) == len(row):
-            slots = [slot_of[e] for e in row]
-            params = {name: torch.stack([p[s] for s in slots]) for name, p in self.slot_params.items()}  # [k, ...]
+            params = self._stacked_params([slot_of[e] for e in row])
             y = self._experts(hidden.expand(len(row), 1, -1), params)[:, 0]  # [k, H]
             out.add_((y * weights[0, :, None]).sum(0, keepdim=True).to(out.dtype))
             return
@@ -234,6 +243,14 @@ class OffloadedExperts:
             token_idx, k_pos = by_expert[expert]
             y = self._experts(hidden[token_idx].unsqueeze(0), self._slot_params(slot))[0]  # [t, H]
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+
+    def _stacked_params(self, slots: list[int]) -> dict[str, torch.Tensor]:
+        """The experts in `slots` as `_experts` takes them for n = k: `[k, ...]` copies out of the pool, or
+        quantized ones dequantized together (a few kernels per weight for the k, not per expert)."""
+        if self.quant is None:
+            return {name: torch.stack([p[s] for s in slots]) for name, p in self.slot_params.items()}
+        rows = torch.stack([self.pool[s] for s in slots])  # [k, nbytes]
+        return dequantize_slots(self.quant, rows, self.quant.compute_dtype)
 
     def _slot_params(self, slot: int) -> dict[str, torch.Tensor | QuantizedWeight]:
         """One slot's expert as `_experts` takes it (float: `[1, ...]` views of the slot pool). Views, made

@@ -19,9 +19,11 @@ from cache.quant import (
     KERNELS,
     PER_CHANNEL,
     ParamSpec,
+    QuantizedWeight,
     QuantLayout,
     _nibbles,
     dequantize,
+    dequantize_slots,
     grid_step,
     group_size_for,
     int_dtype_of,
@@ -139,6 +141,31 @@ def test_kernels_match_the_float_product_within_the_derived_bound(transposed, bi
         assert bool(((got - F.linear(x, w_deq)).abs() <= rounding).all()), "kernel ≠ its dequantized weight"
         bound = _error_bound(x, scales, w.shape[1]) + rounding
         assert bool(((got - F.linear(x, w)).abs() <= bound).all()), "beyond the quantization bound"
+
+
+@pytest.mark.parametrize("transposed,bias", LAYOUT_CASES, ids=["gate_up", "gate_up+bias", "transposed+bias", "transposed"])
+@pytest.mark.parametrize("expert_dtype,group_size,packing", [("int8", PER_CHANNEL, "int8-cpu"), ("int8", 32, "int8"),
+                                                            ("int4", 16, "int4-plain")])  # fmt: skip
+def test_experts_dequantized_together_equal_each_one_dequantized(transposed, bias, expert_dtype, group_size, packing):
+    """The batched decode of small quantized experts (`dequantize_slots`) against one expert at a time."""
+    specs, _ = _expert_tensors(transposed, bias)
+    layout = plan_layout(specs, expert_dtype, group_size, torch.float32, "cpu")
+    assert {t.packing for t in layout.tensors} <= {packing, "raw"}
+    experts = []
+    for seed in range(3):
+        torch.manual_seed(10 + seed)
+        _, tensors = _expert_tensors(transposed, bias)
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        pack_expert(layout, tensors, buffer)
+        experts.append(buffer)
+    rows = torch.stack([experts[2], experts[0]])  # [k, nbytes], in the order a step's slots come
+    together = dequantize_slots(layout, rows, torch.float32)
+    for i, buffer in enumerate([experts[2], experts[0]]):
+        for name, view in unpack_expert(layout, buffer).items():
+            alone = view.dequantize(torch.float32) if isinstance(view, QuantizedWeight) else view
+            if isinstance(view, QuantizedWeight) and transposed:
+                alone = alone.t()  # [in, out], as the family stores it
+            assert torch.equal(together[name][i], alone), name
 
 
 def test_the_cpu_picks_the_kernels_where_their_constraints_hold():
