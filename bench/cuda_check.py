@@ -215,11 +215,18 @@ def check_quantized(tmp: Path) -> dict:
             ids = torch.tensor([engine.encode(PROMPT)], device="cuda")
             with torch.no_grad():
                 ours, want = engine.model(input_ids=ids).logits, reference(input_ids=ids).logits
+                # decode too: small int8 and plain int4 experts take the batched path there (`dequantize_slots`)
+                decoded = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                             max_new_tokens=12, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            tokens = [t for e in engine.generate(GenerationRequest("q", ids[0].tolist(), params)) for t in e.token_ids]
             results[f"{family}/{expert_dtype}"] = {
                 "packings": sorted({t.packing for t in engine.loaded.quant.tensors}),
+                "batched_decode": engine.loaded.offloaded[0].stack,
                 "max_error_over_scale": float((ours - want).abs().max() / want.abs().max()),
                 "bound": BF16_ACTIVATIONS,
                 "same_greedy_choices": bool(torch.equal(ours.argmax(-1), want.argmax(-1))),
+                "decode_tokens_as_reference": sum(a == b for a, b in zip(tokens, decoded.tolist(), strict=True)),
             }
             engine.close()
     return results
