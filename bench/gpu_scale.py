@@ -244,6 +244,10 @@ def run_engine(folder: Path, variant: Variant, shape: ModelShape, settings: Sett
         "hit_rate": round(total["hits"] / accesses, 4) if accesses else None,
         "gb_per_token": round(total["bytes_transferred"] / steps / 1e9, 4),
         "prefetches_per_token": round(total["prefetches"] / steps, 3),
+        # what became of them (issue 10: on the H200 most of the default's prefetches went unused)
+        "prefetch_used_per_token": round(total["prefetch_used"] / steps, 3),
+        "prefetch_regrets_per_token": round(total["prefetch_regrets"] / steps, 3),
+        "prefetch_gate": info["prefetch_gate"],
         "lookahead_accuracy": info["lookahead_accuracy"], "trace": str(trace), "tokens": settings.tokens,
         "rounds": settings.rounds, "expert_dtype": info["expert_dtype"], "bytes_per_expert": info["bytes_per_expert"],
         "cpu_experts": info["cpu_experts"],

@@ -188,6 +188,8 @@ def replay(
     result["prefetch"] = prefetch
     if link is not None:
         result.update(_timing(backend.link, clock, result))
+    if cost is not None and prefetch:
+        result["prefetch_window_ms"] = round(cost.overlap_ms, 4)  # the gate's compute window, given or learned
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 

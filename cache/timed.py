@@ -72,6 +72,7 @@ class Link:
         self.busy_until = 0.0
         self.host_until = 0.0  # when the host cores finish the experts given to them
         self.bytes_moved = 0
+        self._running_prefetch = False  # the chunk that ends at `busy_until` is a prefetch's
         self._demand: deque[Transfer] = deque()
         self._prefetch: deque[Transfer] = deque()
         self._last: dict[int, Transfer] = {}  # slot → its latest copy
@@ -96,10 +97,10 @@ class Link:
             self._run_chunk()
         self.now = max(self.now, transfer.done_at)
 
-    def busy(self) -> bool:
-        """Copies in flight or queued at `now`."""
+    def prefetching(self) -> bool:
+        """Prefetch copies in flight or queued at `now`."""
         self._commit_started()
-        return self.busy_until > self.now or bool(self._demand or self._prefetch)
+        return bool(self._prefetch) or (self._running_prefetch and self.busy_until > self.now)
 
     def copy_part(self, num_bytes: int) -> None:
         """Queue a demand copy of part of an expert, for this step only (no slot), issued at `now`."""
@@ -131,6 +132,7 @@ class Link:
         size = transfer.left if self.spec.chunk_bytes <= 0 else min(transfer.left, self.spec.chunk_bytes)
         start = max(self.busy_until, transfer.queued_at)
         self.busy_until = start + self.spec.copy_ms(size)
+        self._running_prefetch = transfer.prefetch
         transfer.left -= size
         self.bytes_moved += size
         if transfer.left == 0:
@@ -170,7 +172,8 @@ class TimedBackend:
         return None
 
     def link_busy(self) -> bool:
-        return self.link.busy()
+        """Prefetch copies still on the link, as `SlotBackend.link_busy`."""
+        return self.link.prefetching()
 
     def wait(self, slot: int) -> None:
         self.link.wait(slot)

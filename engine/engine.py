@@ -582,6 +582,7 @@ class Engine:
             if totals["prefetches"]
             else None,
             "lookahead_accuracy": self.runtime.prefetcher.lookahead_accuracy if self.runtime.prefetcher else None,
+            "prefetch_gate": self.runtime.prefetcher.gate_info() if self.runtime.prefetcher else None,
             "cpu_experts": self._cpu_experts_info(totals),
             "eamc_entries": _eamc_size(self.runtime.policy),
             "prefix_cache": self.prefix_cache.summary() if self.prefix_cache is not None else None,

@@ -146,3 +146,21 @@ def test_the_replay_gate_can_learn_the_compute_window_from_its_clock_as_the_engi
     off = replay(header, requests, "lru", 8, link=slow_link)
     wrong = replay(header, requests, "lru", 8, prefetch=True, link=slow_link, lookahead_accuracy=0.3, learn_overlap=True)
     assert wrong["prefetches"] == 0 and wrong["tpot_ms"] == off["tpot_ms"]
+
+
+def test_the_learned_compute_window_is_the_layers_compute_even_when_prefetches_stall_it():
+    """A step that waits for a prefetch still in flight is not compute: before the gate timed only
+    prefetch-free layers, such waits grew the window it learned (6.4 ms for 2.5 ms of compute on
+    Mixtral-size experts at 8 of 32), and a larger window made it issue more."""
+    header, requests = random_routing(200)
+    fast_link = LinkSpec(expert_bytes=10 * MB, link_gbps=10.0, compute_ms=3.0)  # 1 ms copies, 3 ms layers
+    learned = replay(header, requests, "lru", 8, prefetch=True, link=fast_link, lookahead_accuracy=0.9, learn_overlap=True)
+    assert learned["prefetches"] > 0
+    assert learned["prefetch_window_ms"] == pytest.approx(3.0, rel=1e-3)
+    h200 = LinkSpec(expert_bytes=352_321_536, link_gbps=54.65, compute_ms=2.466)  # a Mixtral expert: 6.4 ms
+    for policy in ("lru", "sparsity-aware"):
+        given = replay(header, requests, policy, 8, prefetch=True, link=h200, lookahead_accuracy=0.79)
+        learned = replay(header, requests, policy, 8, prefetch=True, link=h200, lookahead_accuracy=0.79,
+                         learn_overlap=True)
+        assert learned["prefetch_window_ms"] == pytest.approx(2.466, rel=1e-3)
+        assert learned["tpot_ms"] <= 1.01 * given["tpot_ms"]
