@@ -87,6 +87,8 @@ class SourceAccuracy:
         self.decay = decay
 
     def score(self, layer: int, guessed: set[int], needed: list[int]) -> None:
+        if not guessed:
+            return  # nothing guessed tells nothing (and must not age what was learned)
         self.right[layer] = self.decay * self.right[layer] + len(guessed.intersection(needed))
         self.total[layer] = self.decay * self.total[layer] + len(guessed)
 
@@ -113,7 +115,8 @@ class Prefetcher:
         self.lookahead_correct = 0
         self.held_back = 0  # guesses not issued: not worth their cost
         self.failures = 0  # prefetches that raised (e.g. a failed disk read); the engine carries on
-        self.accuracy = {"lookahead": SourceAccuracy(len(routers)), "policy": SourceAccuracy(len(routers))}
+        # per source, the recent share of right guesses ("lookahead_absent": of those not resident when made)
+        self.accuracy = {source: SourceAccuracy(len(routers)) for source in ("lookahead", "lookahead_absent", "policy")}
         self._guesses: dict[str, tuple[int, set[int]]] = {}  # source → (layer, experts) guessed for that layer
         self._pending: list[tuple[ExpertKey, float]] = []  # (key, chance), most likely first
         self._spent = 0.0  # link ms of the pending batch's prefetches issued so far
@@ -145,8 +148,11 @@ class Prefetcher:
         if guess is not None:
             guess = sorted(set(guess))
             self._guesses["lookahead"] = (layer + 1, set(guess))
+            # the chance a copy pays is that of the guesses not resident: only they are copied, and they
+            # are the harder ones (engine, Mixtral shape: right 0.60 of the time against 0.78 resident)
+            self._guesses["lookahead_absent"] = (layer + 1, {e for e in guess if not self.cache.is_resident((layer + 1, e))})
             self.cache.policy.on_lookahead(layer + 1, guess)  # so the cache admits them
-            chance = self.accuracy["lookahead"].of(layer + 1)
+            chance = self.accuracy["lookahead_absent"].of(layer + 1)
             guesses.update({(layer + 1, e): chance for e in guess})
         candidates = self.cache.policy.prefetch_candidates(layer)
         nearest = [k for k in candidates if k[0] == (layer + 1) % len(self.routers)]

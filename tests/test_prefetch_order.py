@@ -11,7 +11,7 @@ import torch
 import cache.sparsity_aware  # noqa: F401  (registers "sparsity-aware")
 from cache.expert_cache import DryRunBackend, ExpertCache
 from cache.policy import make_policy
-from cache.prefetcher import Prefetcher
+from cache.prefetcher import PrefetchCost, Prefetcher
 from cache.replay import replay
 from cache.runtime import ExpertRuntime
 from cache.stats import CacheStats
@@ -141,3 +141,26 @@ def test_the_prefetch_thread_computes_on_one_intra_op_thread():
     prefetcher.close()
     assert seen == [1, 1]
     assert torch.get_num_threads() == engine_threads
+
+
+def test_the_gate_weighs_a_look_ahead_guess_by_the_accuracy_of_guesses_that_need_a_copy():
+    """The look-ahead is right on the experts already resident (routing repeats) and wrong on the one it
+    would copy: the gate must see the latter's accuracy, not the average over both."""
+    cache = ExpertCache(4, make_policy("lru", 2, E), CacheStats(2), DryRunBackend(1))
+    cache.preload([(1, 0)])
+    routers = [None, lambda hidden: torch.tensor([[0, 5]])]  # layer 1's guess: 0 (resident, right), 5 (absent, wrong)
+    runtime = ExpertRuntime(cache, 2, E, K)
+    cost = PrefetchCost(copy_ms=1.0, overlap_ms=1.0)  # a guess pays when it is right more often than it costs
+    runtime.prefetcher = Prefetcher(cache, routers, background=False, limit=2 * K, cost=cost)
+    runtime.begin_request("r")
+    runtime.phase = "decode"
+    for _ in range(50):
+        for layer, experts in ((0, [1, 2]), (1, [0, 3])):
+            needed, _ = runtime.on_routing(layer, torch.tensor([experts]), torch.zeros(1, 4))
+            runtime.run_step(layer, needed, torch.zeros(1, 4))
+    runtime.end_request("r")
+    accuracy = runtime.prefetcher.accuracy
+    assert accuracy["lookahead"].of(1) == pytest.approx(0.5, abs=0.05)
+    assert accuracy["lookahead_absent"].of(1) < 0.05
+    assert runtime.prefetcher.lookahead_accuracy == pytest.approx(0.5)  # the reported figure: every guess
+    assert runtime.prefetcher.held_back > 40  # the gate stops offering expert 5 once its guesses are known wrong
