@@ -432,7 +432,13 @@ class QuantizedWeight:
         return y.to(x.dtype)
 
     def linear_dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        """The fallback: the whole weight dequantized into a scratch tensor, then `F.linear`."""
+        """The fallback: the whole weight dequantized into a scratch tensor, then `F.linear`.
+
+        int8 with one scale per output channel (CUDA's int8 default) scales the product instead of the
+        weight: the int8 values convert exactly, and the pass that would scale the whole weight, every
+        use, becomes one over the output (`[..., out]`)."""
+        if self.packing == "int8" and self.scales.shape[-1] == 1:
+            return F.linear(x, self.data.to(x.dtype)) * self.scales.reshape(-1).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

@@ -143,6 +143,27 @@ def test_kernels_match_the_float_product_within_the_derived_bound(transposed, bi
         assert bool(((got - F.linear(x, w)).abs() <= bound).all()), "beyond the quantization bound"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_int8_per_channel_as_cuda_packs_it_scales_the_product_as_the_weight_would(transposed, dtype):
+    """CUDA's per-channel int8 (`int8` packing, one scale per row) multiplies the int8 values, exact in any
+    float dtype, and scales the output: equal to the product with the dequantized weight up to rounding."""
+    specs, tensors = _expert_tensors(transposed, bias=False)
+    layout = plan_layout(specs, "int8", PER_CHANNEL, dtype, "cuda")
+    assert {t.packing for t in layout.tensors} == {"int8"}
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_expert(layout, tensors, buffer)
+    torch.manual_seed(3)
+    for name, view in unpack_expert(layout, buffer).items():
+        assert view.scales.shape == (view.shape[0], 1)
+        x = torch.randn(5, view.shape[1])
+        got = view.linear(x.to(dtype)).float()
+        want = F.linear(x, view.dequantize(torch.float32))
+        w = view.dequantize(torch.float32)
+        rounding = (2**-7 if dtype == torch.bfloat16 else 1e-5) * (x.abs() @ w.abs().t()) + 1e-6
+        assert bool(((got - want).abs() <= 2 * rounding).all()), name
+
+
 @pytest.mark.parametrize("transposed,bias", LAYOUT_CASES, ids=["gate_up", "gate_up+bias", "transposed+bias", "transposed"])
 @pytest.mark.parametrize("expert_dtype,group_size,packing", [("int8", PER_CHANNEL, "int8-cpu"), ("int8", 32, "int8"),
                                                             ("int4", 16, "int4-plain")])  # fmt: skip
