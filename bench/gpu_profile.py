@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers.generation.streamers import BaseStreamer
 
 from bench.engine_bench import PROMPT
-from bench.gpu_scale import _prompt, dtype_name
+from bench.gpu_scale import Variant, _prompt, capacity_of, dtype_name
 from bench.scale_models import SHAPES, ModelShape, tiny, write_checkpoint
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
@@ -44,22 +44,11 @@ LAUNCHES = {"cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaun
 TOP_OPS = 10
 
 
-@dataclass(frozen=True)
-class Variant:
-    label: str
-    fraction: float | None = None  # None: transformers; 1.0: all experts resident
-    policy: str = "lru"
-    prefetch: bool = False
-
-
 def variants(fraction: float) -> list[Variant]:
-    return [
-        Variant("transformers, all on the device"),
-        Variant("moe-serve, all experts resident", 1.0),
-        Variant("moe-serve, lru, no prefetch", fraction),
-        Variant("moe-serve, lru + prefetch", fraction, prefetch=True),
-        Variant("moe-serve, sparsity-aware + prefetch", fraction, "sparsity-aware", True),
-    ]
+    """`bench.gpu_scale`'s rows of the same names (every miss copied: `--cpu-experts off`)."""
+    cached = [("lru", False), ("lru", True), ("sparsity-aware", True)]
+    return [Variant("transformers"), Variant("moe-serve", 1.0, cpu_experts="off"),
+            *(Variant("moe-serve", fraction, policy, prefetch, cpu_experts="off") for policy, prefetch in cached)]  # fmt: skip
 
 
 @dataclass
@@ -77,10 +66,10 @@ def _activities(device: torch.device) -> list[ProfilerActivity]:
 
 def profile_engine(folder: Path, shape: ModelShape, variant: Variant, device: torch.device, dtype: torch.dtype,
                    tokens: int, workdir: Path) -> Profiled:  # fmt: skip
-    capacity = max(shape.top_k, round(variant.fraction * shape.total_experts))
+    capacity = capacity_of(shape, variant)
     engine = Engine.load(EngineConfig(
         model=str(folder), device=str(device), dtype=dtype_name(dtype), policy=variant.policy,
-        prefetch=variant.prefetch, expert_cache_experts=capacity, cpu_experts="off", prefix_cache=0,
+        prefetch=variant.prefetch, expert_cache_experts=capacity, cpu_experts=variant.cpu_experts, prefix_cache=0,
         eamc_path=str(workdir / f"{variant.policy}-{capacity}.eamc"),
     ))  # fmt: skip
     try:
@@ -221,9 +210,9 @@ def run(args: argparse.Namespace, argv: list[str], device: torch.device) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         folder = write_checkpoint(shape, Path(tmp) / args.shape, dtype, device)
         for variant in variants(args.fraction):
-            row = {"kind": "row", "variant": variant.label}
+            row = {"kind": "row", "variant": variant.label()}
             try:
-                if variant.fraction is None:
+                if variant.kind == "transformers":
                     profiled = profile_transformers(folder, device, dtype, args.tokens)
                 else:
                     profiled = profile_engine(folder, shape, variant, device, dtype, args.tokens, Path(tmp))

@@ -38,7 +38,7 @@ def test_dry_run_profiles_every_variant_and_appends_the_summary(tmp_path, capsys
     assert gpu_profile.main(["--dry-run", "--tokens", str(TOKENS), "--out", str(out)]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     rows = [line for line in lines if line["kind"] == "row"]
-    assert [r["variant"] for r in rows] == [v.label for v in variants(0.25)]
+    assert [r["variant"] for r in rows] == [v.label() for v in variants(0.25)]
     for r in rows:
         assert "error" not in r, r
         assert r["steps"] == TOKENS - 1 and r["tpot_ms"] > 0
