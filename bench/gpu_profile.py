@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers.generation.streamers import BaseStreamer
 
-from bench.engine_bench import PROMPT
+from bench.engine_bench import PROMPT, TokenClock
 from bench.gpu_scale import Variant, _prompt, capacity_of, dtype_name
 from bench.scale_models import SHAPES, ModelShape, tiny, write_checkpoint
 from engine.api import GenerationRequest, SamplingParams
@@ -90,23 +89,17 @@ def profile_engine(folder: Path, shape: ModelShape, variant: Variant, device: to
         engine.close()
 
 
-class _ProfileFromFirstToken(BaseStreamer):
-    """`generate` hands the streamer the prompt first, then each new token: profile from the first one."""
+class _ProfileFromFirstToken(TokenClock):
+    """`TokenClock` (marks[0]: the prompt, then one per new token) that starts the profiler at the first token."""
 
     def __init__(self, prof: profile) -> None:
+        super().__init__()
         self.prof = prof
-        self.marks: list[float] = []  # perf_counter at each new token
-        self._puts = 0
 
     def put(self, value) -> None:
-        self._puts += 1
-        if self._puts == 2:
+        super().put(value)
+        if len(self.marks) == 2:
             self.prof.start()
-        if self._puts >= 2:
-            self.marks.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def profile_transformers(folder: Path, device: torch.device, dtype: torch.dtype, tokens: int) -> Profiled:
@@ -121,8 +114,9 @@ def profile_transformers(folder: Path, device: torch.device, dtype: torch.dtype,
         streamer = _ProfileFromFirstToken(prof)
         model.generate(ids, max_new_tokens=tokens, streamer=streamer, **kwargs)
         prof.stop()
-    steps = len(streamer.marks) - 1
-    return Profiled(prof, steps, 1000 * (streamer.marks[-1] - streamer.marks[0]) / steps)
+    first, last = streamer.marks[1], streamer.marks[-1]
+    steps = len(streamer.marks) - 2  # decode steps after the first token
+    return Profiled(prof, steps, 1000 * (last - first) / steps)
 
 
 def _device_us(event) -> float:
