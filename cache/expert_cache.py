@@ -23,6 +23,8 @@ from cache.stats import CacheStats
 class DryRunBackend:
     """Moves nothing: for trace replay and tests of the bookkeeping."""
 
+    fills_in_place = False
+
     def __init__(self, bytes_per_expert: int = 0) -> None:
         self.bytes_per_expert = bytes_per_expert
 
@@ -58,6 +60,8 @@ class SlotBackend:
     use separate streams, the demand one at high priority, so that a demand load never
     queues behind prefetches issued before it.
     """
+
+    fills_in_place = False  # a prefetch stages the host buffer, then queues the copy
 
     def __init__(self, host: HostStore, num_slots: int, device: torch.device) -> None:
         self.host = host
@@ -145,8 +149,12 @@ class InPlaceBackend:
     On a machine without a GPU there is no faster memory to copy into: a miss reads the
     expert from disk straight into its slot, and a hit costs nothing. With every expert
     in RAM (the default) nothing moves after start-up; a smaller `--host-cache-gb` makes
-    the policy choose which experts stay in RAM and which are read from disk.
+    the policy choose which experts stay in RAM and which are read from disk. A prefetch
+    reads straight into the slot it reserved as well (`fills_in_place`): staging it in a
+    buffer of its own first cost three times the read (allocation, read, copy).
     """
+
+    fills_in_place = True
 
     def __init__(self, host: HostStore, num_slots: int) -> None:
         self.host = host
@@ -155,16 +163,6 @@ class InPlaceBackend:
 
     def load(self, key: ExpertKey, slot: int) -> None:
         self.host.read_into(key, self.slots[slot])
-
-    @contextmanager
-    def staged(self, key: ExpertKey) -> Iterator[torch.Tensor]:
-        """A prefetch reads the disk outside the cache lock, into a buffer of its own."""
-        buffer = torch.empty(self.host.layout.numel, dtype=self.host.dtype)
-        self.host.read_into(key, buffer)
-        yield buffer
-
-    def fill(self, slot: int, src: torch.Tensor, prefetch: bool = False) -> None:
-        self.slots[slot].copy_(src)
 
     def view(self, slot: int) -> torch.Tensor:
         return self.slots[slot]
@@ -192,7 +190,9 @@ class ExpertCache:
         self._protected: set[ExpertKey] = set()
         self._prefetched_unused: set[ExpertKey] = set()
         self._prefetch_victims: OrderedDict[ExpertKey, None] = OrderedDict()  # the last `capacity` of them
+        self._filling: dict[ExpertKey, int] = {}  # in-place prefetches reading into their reserved slot
         self._lock = threading.RLock()
+        self._filled = threading.Condition(self._lock)
 
     def preload(self, keys: Sequence[ExpertKey]) -> None:
         """Load `keys` in order into the free slots at start-up (not counted as traffic)."""
@@ -220,6 +220,8 @@ class ExpertCache:
             self._protected.update(keys)
             slots = []
             for key in keys:
+                while key in self._filling:  # a prefetch is reading it into its slot: it comes soon
+                    self._filled.wait()
                 slot = self._slot_of.get(key)
                 if slot is None:
                     self.stats.add("misses", layer)
@@ -263,26 +265,51 @@ class ExpertCache:
         """Load `key` ahead of need if that displaces nothing the policy values more.
 
         The host read (from disk when the RAM tier does not hold it) runs outside the
-        cache lock: a step whose experts are resident never waits for it, only for the
-        copy into the slot on CPU (on CUDA that is queued, not waited for); a demand read
-        from disk may wait for the one host read in progress.
+        cache lock: a step whose experts are resident never waits for it. On CUDA the read
+        fills a host buffer and the copy into the slot is queued, not waited for; a demand
+        read from disk may wait for the one host read in progress. In place (CPU) the read
+        goes straight into a slot reserved under the lock; a step that needs `key` meanwhile
+        waits for that read instead of reading it a second time.
         """
         with self._lock:
             if not self._admits(key):
                 return False
+            if self.backend.fills_in_place:
+                slot = self._take_slot(for_prefetch=True)
+                self._filling[key] = slot
+        if self.backend.fills_in_place:
+            return self._fill_reserved(key, slot)
         with self.backend.staged(key) as src:
             with self._lock:
                 if not self._admits(key):  # the engine moved on while we read
                     return False
                 slot = self._take_slot(for_prefetch=True)
                 self.backend.fill(slot, src, prefetch=True)
-                self._register(key, slot)
-                self._prefetched_unused.add(key)
-                self.stats.add("prefetches", key[0])
+                self._register_prefetch(key, slot)
                 return True
 
+    def _fill_reserved(self, key: ExpertKey, slot: int) -> bool:
+        try:
+            self.backend.load(key, slot)
+        except BaseException:
+            with self._filled:
+                del self._filling[key]
+                self._free.append(slot)
+                self._filled.notify_all()
+            raise
+        with self._filled:
+            del self._filling[key]
+            self._register_prefetch(key, slot)
+            self._filled.notify_all()
+        return True
+
+    def _register_prefetch(self, key: ExpertKey, slot: int) -> None:
+        self._register(key, slot)
+        self._prefetched_unused.add(key)
+        self.stats.add("prefetches", key[0])
+
     def _admits(self, key: ExpertKey) -> bool:
-        if key in self._slot_of:
+        if key in self._slot_of or key in self._filling:
             return False
         if self._free:
             return True
@@ -311,10 +338,16 @@ class ExpertCache:
         return slot
 
     def _take_slot(self, for_prefetch: bool = False) -> int:
-        """A free slot, else the policy's victim's."""
+        """A free slot, else the policy's victim's (after a prefetch's read into a slot it reserved,
+        when that slot is the only one left)."""
         if self._free:
             return self._free.pop()
         victim = self._victim()
+        while victim is None and self._filling and not for_prefetch:
+            self._filled.wait()
+            if self._free:
+                return self._free.pop()
+            victim = self._victim()
         if victim is None:
             raise RuntimeError("expert cache full of protected experts")
         slot = self._slot_of.pop(victim)

@@ -154,6 +154,8 @@ class Link:
 class TimedBackend:
     """The replay's transfer backend with a `Link`: loads and prefetches become timed copies."""
 
+    fills_in_place = False
+
     def __init__(self, link: Link) -> None:
         self.link = link
         self.bytes_per_expert = link.spec.expert_bytes

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cache.expert_cache import ExpertCache, SlotBackend
+from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
 from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import LRUPolicy
 from cache.safetensors_index import index_checkpoint
@@ -45,11 +45,13 @@ def constant_experts(tmp_path):
     }
 
 
-def make_cache(sources, ram_experts: int, slots: int = 4) -> tuple[ExpertCache, HostStore]:
+def make_cache(sources, ram_experts: int, slots: int = 4, in_place: bool = False) -> tuple[ExpertCache, HostStore]:
+    """`in_place`: the CPU engine's backend, whose slots are the RAM tier (the store then only reads disk)."""
     store = HostStore(sources, ExpertLayout.gated(H, INTER), torch.float32, capacity=ram_experts)
     policy = LRUPolicy(L, E)
     policy.on_lookahead(1, list(range(E)))  # layer-1 experts are guessed: prefetches displace layer-0 ones
-    return ExpertCache(slots, policy, CacheStats(L), SlotBackend(store, slots, torch.device("cpu"))), store
+    backend = InPlaceBackend(store, slots) if in_place else SlotBackend(store, slots, torch.device("cpu"))
+    return ExpertCache(slots, policy, CacheStats(L), backend), store
 
 
 def holds_only(view: torch.Tensor, key: tuple[int, int]) -> bool:
@@ -89,10 +91,91 @@ def test_a_prefetch_cannot_recycle_the_buffer_a_demand_load_is_copying(constant_
     cache.release(0, [7])
 
 
-def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(constant_experts):
-    cache, store = make_cache(constant_experts, ram_experts=1)
+class PausedRead:
+    """Wraps a store's `read_into`: the read of `key` waits until the test lets it go."""
+
+    def __init__(self, store: HostStore, key: tuple[int, int]) -> None:
+        self.store, self.key, self.read = store, key, store.read_into
+        self.reading, self.go = threading.Event(), threading.Event()
+        self.reads: list[tuple[int, int]] = []
+        store.read_into = self
+
+    def __call__(self, key, buffer) -> None:
+        self.reads.append(key)
+        if key == self.key:
+            self.reading.set()
+            assert self.go.wait(5)
+        self.read(key, buffer)
+
+
+def test_in_place_a_step_needing_an_expert_being_prefetched_waits_for_that_read(constant_experts):
+    cache, store = make_cache(constant_experts, ram_experts=0, in_place=True)
+    paused = PausedRead(store, (1, 3))
+    prefetch = threading.Thread(target=cache.prefetch, args=((1, 3),))
+    prefetch.start()
+    assert paused.reading.wait(5)
+    use_resident = threading.Thread(target=lambda: (cache.acquire(0, [1]), cache.release(0, [1])))
+    use_resident.start()
+    use_resident.join(5)
+    assert not use_resident.is_alive()  # another expert's step does not wait for the read
+    wanted: list = []
+    step = threading.Thread(target=lambda: wanted.extend(cache.acquire(1, [3])))
+    step.start()
+    step.join(0.2)
+    assert step.is_alive()  # it waits for the prefetch's read, not for a read of its own
+    paused.go.set()
+    step.join(5)
+    prefetch.join(5)
+    assert holds_only(cache.backend.view(wanted[0]), (1, 3))
+    assert paused.reads.count((1, 3)) == 1
+    totals = cache.stats.totals()
+    assert (totals["prefetches"], totals["prefetch_used"], totals["misses"]) == (1, 1, 1)  # the miss: (0, 1)
+    cache.release(1, [3])
+
+
+def test_in_place_a_step_needing_every_slot_waits_for_the_one_a_prefetch_reserved(constant_experts):
+    cache, store = make_cache(constant_experts, ram_experts=0, slots=2, in_place=True)
+    paused = PausedRead(store, (1, 5))
+    prefetch = threading.Thread(target=cache.prefetch, args=((1, 5),))
+    prefetch.start()
+    assert paused.reading.wait(5)  # one of the two slots is reserved
+    slots: list = []
+    step = threading.Thread(target=lambda: slots.extend(cache.acquire(0, [1, 2])))
+    step.start()
+    step.join(0.2)
+    assert step.is_alive()
+    paused.go.set()
+    step.join(5)
+    prefetch.join(5)
+    assert not step.is_alive() and len(slots) == 2
+    for e, slot in zip([1, 2], slots):
+        assert holds_only(cache.backend.view(slot), (0, e))
+    cache.release(0, [1, 2])
+
+
+def test_in_place_a_failed_prefetch_read_gives_its_slot_back(constant_experts):
+    cache, store = make_cache(constant_experts, ram_experts=0, slots=2, in_place=True)
+    read = store.read_into
+
+    def failing(key, buffer):
+        if key == (1, 4):
+            raise OSError("disk gone")
+        read(key, buffer)
+
+    store.read_into = failing
+    with pytest.raises(OSError):
+        cache.prefetch((1, 4))
+    assert not cache.is_resident((1, 4))
+    slots = cache.acquire(0, [1, 2])  # both slots usable again
+    assert sorted(slots) == [0, 1]
+    cache.release(0, [1, 2])
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["slot-backend", "in-place"])
+def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(constant_experts, in_place):
+    cache, store = make_cache(constant_experts, ram_experts=1, in_place=in_place)
     backend, rng = cache.backend, random.Random(0)
-    staged, fill, read = backend.staged, backend.fill, store.read_into
+    read = store.read_into
 
     def jitter() -> None:
         time.sleep(rng.random() * 0.001)
@@ -112,7 +195,10 @@ def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(consta
         jitter()
         read(key, buffer)
 
-    backend.staged, backend.fill, store.read_into = delayed_staged, delayed_fill, delayed_read
+    store.read_into = delayed_read
+    if not in_place:  # in place, a prefetch reads straight into the slot it reserved: no staging, no fill
+        staged, fill = backend.staged, backend.fill
+        backend.staged, backend.fill = delayed_staged, delayed_fill
     start = time.monotonic()
     wrong: list[tuple] = []
     done = threading.Event()
