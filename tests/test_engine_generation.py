@@ -137,7 +137,9 @@ def inject_delays(engine: Engine) -> None:
         backend.fill = delayed_fill
 
 
-@pytest.mark.parametrize("policy", ["lru", "sparsity-aware"])  # prefetch on: its thread reads disk too
+# prefetch on: its thread may read disk beside the engine. Whether it does is timing: its cost gate weighs
+# the measured read against the measured layer, so the test asserts only what holds either way
+@pytest.mark.parametrize("policy", ["lru", "sparsity-aware"])
 def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_tokens(folder, engine, policy, tmp_path):
     small = Engine.load(
         EngineConfig(
@@ -157,8 +159,6 @@ def test_ram_tier_smaller_than_the_experts_reads_from_disk_and_gives_the_same_to
 
     assert tokens(small) == tokens(engine)
     assert small.loaded.host.disk_reads > reads_before
-    if policy == "lru":  # its look-ahead guesses displace the LRU victim (sparsity-aware's values keep 3 slots)
-        assert small.runtime.cache.stats.totals()["prefetches"] > 0  # the prefetch thread read beside the engine
     small.close()
 
 
