@@ -32,6 +32,8 @@ from engine.engine import Engine
 
 SHAPE = replace(DEEPSEEK, name="DeepSeek-V2-Lite routing at H 1024", hidden=1024, expert_intermediate=704,
                 heads=8, kv_heads=8, dense_intermediate=2048)  # fmt: skip
+GATE_FIGURES = ("spare_core", "read_ms", "read_cpu_ms", "read_queued_ms", "read_disk_ms", "compute_window_ms",
+                "held_back")  # what the prefetch gate weighed (HostReadCost)
 ROWS = (("lru", False), ("lru", True), ("sparsity-aware", False), ("sparsity-aware", True))
 
 
@@ -44,6 +46,7 @@ def run_row(folder: Path, workdir: Path, capacity: int, total: int, policy: str,
         prompt = engine.encode(PROMPT)
         engine_run(engine, prompt, 4)
         runs = [engine_run(engine, prompt, tokens) for _ in range(rounds)]
+        gate = engine.cache_info()["prefetch_gate"] or {}
     finally:
         engine.close()
     hits = sum(run.decode_counters["hits"] for run in runs)
@@ -54,6 +57,7 @@ def run_row(folder: Path, workdir: Path, capacity: int, total: int, policy: str,
         "tpot_ms": round(1000 * statistics.median(run.tpot_s for run in runs), 2),
         "hit_rate": round(hits / (hits + misses), 3),
         "prefetches_per_token": round(sum(run.decode_counters["prefetches"] for run in runs) / steps, 2),
+        **{key: gate[key] for key in GATE_FIGURES if key in gate},
     }  # fmt: skip
 
 

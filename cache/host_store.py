@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -124,6 +125,45 @@ class BufferArena:
         self._released.append(buffer)
 
 
+def thread_cpu_and_queue_ns() -> tuple[int, int]:
+    """This thread's CPU time and its time spent waiting for a core, in ns.
+
+    The CPU time is the precise clock (schedstat's lags by up to a tick); the wait for a core
+    is Linux's schedstat, and reads as 0 elsewhere (counted as disk wait then)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            queued_ns = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        queued_ns = 0
+    return time.thread_time_ns(), queued_ns
+
+
+@dataclass
+class ReadTimes:
+    """Running means of one expert's read from disk, in ms: wall time, the reading thread's CPU
+    time, and its wait for a core.
+
+    What a read costs the engine depends on where its time goes: waiting on the disk leaves the
+    cores to the compute, copying out of the page cache is CPU work (see `HostReadCost`)."""
+
+    wall_ms: float = 0.0
+    cpu_ms: float = 0.0
+    queued_ms: float = 0.0
+    reads: int = 0
+
+    def observe(self, wall_ms: float, cpu_ms: float, queued_ms: float) -> None:
+        weight = max(0.1, 1.0 / (self.reads + 1))  # the plain mean of the first ten, then a running one
+        self.wall_ms += weight * (wall_ms - self.wall_ms)
+        self.cpu_ms += weight * (min(cpu_ms, wall_ms) - self.cpu_ms)
+        self.queued_ms += weight * (min(queued_ms, wall_ms) - self.queued_ms)
+        self.reads += 1
+
+    @property
+    def disk_ms(self) -> float:
+        """The part of a read spent waiting on the disk: neither on a core nor waiting for one."""
+        return max(0.0, self.wall_ms - self.cpu_ms - self.queued_ms)
+
+
 class HostStore:
     """(layer, expert) → flat host buffer, with at most `capacity` buffers in RAM.
 
@@ -147,6 +187,7 @@ class HostStore:
         self.pin_memory = pin_memory
         self.bytes_per_expert = layout.numel * dtype.itemsize
         self.disk_reads = 0
+        self.read_times = ReadTimes()
         self._resident: OrderedDict[ExpertKey, torch.Tensor] = OrderedDict()  # least recent first
         self._in_flight: dict[int, object] = {}  # id(buffer) → event of the last copy out of it
         self._held: dict[int, int] = {}  # id(buffer) → holders (see `hold`)
@@ -236,6 +277,7 @@ class HostStore:
     def read_into(self, key: ExpertKey, buffer: torch.Tensor) -> None:
         """Read the expert from disk into `buffer` (`[numel]`, this store's dtype)."""
         self.disk_reads += 1
+        started, (cpu_ns, queued_ns) = time.perf_counter(), thread_cpu_and_queue_ns()
         start = 0
         for seg in self.sources[key]:
             dst = buffer[start : start + seg.numel]
@@ -246,6 +288,9 @@ class HostStore:
             start += seg.numel
         if start != self.layout.numel:
             raise ValueError(f"expert {key} has {start} elements on disk, expected {self.layout.numel}")
+        cpu_end_ns, queued_end_ns = thread_cpu_and_queue_ns()
+        self.read_times.observe(1000 * (time.perf_counter() - started), (cpu_end_ns - cpu_ns) / 1e6,
+                                (queued_end_ns - queued_ns) / 1e6)
 
 
 def read_segment(seg: Segment) -> torch.Tensor:

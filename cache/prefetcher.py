@@ -24,11 +24,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cache.expert_cache import ExpertCache
+from cache.host_store import ReadTimes
 from cache.policy import ExpertKey
 
 log = logging.getLogger(__name__)
@@ -46,24 +47,80 @@ class PrefetchCost:
     wrong guess there delays nothing. A copy reaching past it delays the next layer's
     demand copies by the part beyond if the guess is wrong, and if right saves only the
     part inside (past the window its bytes would have moved as a demand copy anyway).
+    `stolen_ms`: compute time a prefetch takes from the step wherever it falls (0 on a link).
     """
 
     copy_ms: float
     overlap_ms: float
     measure_overlap: bool = False  # the engine: learn `overlap_ms` from the decode steps it times
+    stolen_ms: float = 0.0
 
     def observe_layer(self, ms: float) -> None:
         """The measured compute of one decode layer (a running average)."""
         self.overlap_ms = ms if self.overlap_ms <= 0 else 0.9 * self.overlap_ms + 0.1 * ms
 
+    def demand_ms(self) -> float:
+        """What loading one expert on demand adds to a step."""
+        return self.copy_ms + self.stolen_ms
+
     def worth(self, chance: float, spent_ms: float, regret: float = 0.0) -> bool:
         """Whether one more copy, queued behind `spent_ms` of this layer's prefetches, pays off.
 
-        `regret`: the chance that the expert it evicts is missed soon after (a copy more).
+        `regret`: the chance that the expert it evicts is missed soon after (a load more).
+        A right guess takes `stolen_ms` too, but spares the demand load that would have taken it.
         """
         free = max(0.0, self.overlap_ms - spent_ms)
         beyond = max(0.0, spent_ms + self.copy_ms - self.overlap_ms)
-        return chance * min(self.copy_ms, free) > (1.0 - chance) * beyond + regret * self.copy_ms
+        return chance * min(self.copy_ms, free) > (1.0 - chance) * (beyond + self.stolen_ms) + regret * self.demand_ms()
+
+    def may_pay(self, regret: float) -> bool:
+        """Whether guessing is worth its own cost (the look-ahead's router, the policy's ranking)."""
+        return True
+
+    def figures(self) -> dict:
+        """What this cost measures besides the copy and the window (shown in /v1/expert-cache)."""
+        return {}
+
+
+@dataclass
+class HostReadCost(PrefetchCost):
+    """On CPU a prefetch reads an expert from disk into its RAM slot, on the prefetch thread.
+
+    Its time waiting on the disk overlaps the engine's compute as a copy on a link does. Its CPU
+    time (the kernel copying out of the page cache) does so only when the compute leaves a core
+    free (`spare_core`); otherwise it is taken from the step, and every member of the compute's
+    thread team waits for the one it pre-empted (bench.cpu_prefetch, 2 cores, every read from
+    the page cache: prefetch on cost 9-18% more per token than off). Figures: `reads`, measured
+    on every read, demand or prefetch.
+    """
+
+    reads: ReadTimes = field(default_factory=ReadTimes)
+    spare_core: bool = False
+
+    def refresh(self) -> None:
+        if self.spare_core:
+            self.copy_ms, self.stolen_ms = self.reads.wall_ms, 0.0
+        else:
+            self.copy_ms, self.stolen_ms = self.reads.disk_ms, self.reads.cpu_ms
+
+    def demand_ms(self) -> float:
+        return self.reads.wall_ms  # on the engine thread: every part of it
+
+    def worth(self, chance: float, spent_ms: float, regret: float = 0.0) -> bool:
+        self.refresh()
+        return super().worth(chance, spent_ms, regret)
+
+    def may_pay(self, regret: float) -> bool:
+        """Whether even a sure guess would pay: with every read from the page cache and no core to
+        spare, none does, and the look-ahead is not worth computing either (CPU, every expert
+        resident: look-ahead alone cost 15% per token)."""
+        return self.worth(1.0, 0.0, regret)
+
+    def figures(self) -> dict:
+        reads = self.reads
+        return {"spare_core": self.spare_core, "reads": reads.reads, "read_ms": round(reads.wall_ms, 3),
+                "read_cpu_ms": round(reads.cpu_ms, 3), "read_queued_ms": round(reads.queued_ms, 3),
+                "read_disk_ms": round(reads.disk_ms, 3)}
 
 
 @dataclass(frozen=True)
@@ -133,6 +190,8 @@ class Prefetcher:
         would pick, still on the device (the caller reads them with its own routing, one sync)."""
         if phase != "decode" or layer + 1 >= len(self.routers) or self.routers[layer + 1] is None:
             return None
+        if not self._guessing_pays():
+            return None
         return self.routers[layer + 1](hidden)
 
     def after_routing(
@@ -142,6 +201,8 @@ class Prefetcher:
         self._score_guesses(layer, needed)
         if self.cost is not None and self.cost.measure_overlap:
             self._time_layer(phase)
+        if not self._guessing_pays():
+            return
         guesses: dict[ExpertKey, float] = {}  # key → its source's recent accuracy at that layer
         if guess is None and (ids := self.lookahead(layer, hidden, phase)) is not None:
             guess = ids.flatten().tolist()
@@ -162,6 +223,9 @@ class Prefetcher:
             guesses.setdefault(key, self.accuracy["policy"].of(key[0]))
         ranked = sorted(guesses.items(), key=lambda item: -item[1])  # most likely first (stable)
         self._submit(ranked[: self.limit])
+
+    def _guessing_pays(self) -> bool:
+        return self.cost is None or self.cost.may_pay(self._regret())
 
     def _regret(self) -> float:
         """How often an expert a prefetch evicted was missed soon after (a prior of 1 in 4 at first)."""
@@ -187,7 +251,7 @@ class Prefetcher:
             return
         if not last.link_free or mark.prefetches != last.prefetches:
             return
-        compute_ms = 1000 * (mark.time - last.time) - last.own_misses * self.cost.copy_ms
+        compute_ms = 1000 * (mark.time - last.time) - last.own_misses * self.cost.demand_ms()
         if compute_ms > 0:
             self.cost.observe_layer(compute_ms)
 
@@ -204,8 +268,10 @@ class Prefetcher:
             return None
         return {
             "copy_ms": round(self.cost.copy_ms, 3),
+            "stolen_ms": round(self.cost.stolen_ms, 3),
             "compute_window_ms": round(self.cost.overlap_ms, 3),
             "held_back": self.held_back,
+            **self.cost.figures(),
             "regret": round(self._regret(), 3),
             "accuracy_by_layer": {source: [round(acc.of(layer), 3) for layer in range(len(self.routers))]
                                   for source, acc in self.accuracy.items()},

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoTokenizer, Cache, GenerationConfig
 from cache.eamc import EAMC
 from cache.eamc_file import EAMCAutosaver, ModelFingerprint, load_eamc
 from cache.miss_planner import MissCosts, MissPlanner
-from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, PrefetchCost, Prefetcher
+from cache.prefetcher import PREFETCH_LIMIT_PER_TOP_K, HostReadCost, PrefetchCost, Prefetcher
 from cache.quant import DEFAULT_GROUP_SIZE, QUANT_DTYPES, QuantLayout
 from cache.trace import TraceWriter
 from engine import prompt_logprobs as scoring
@@ -197,12 +197,16 @@ class Engine:
         return copy_ms
 
     def _prefetch_cost(self, copy_ms: float | None) -> PrefetchCost | None:
-        """On CUDA: a guess must pay for its copy (copy time measured now, compute learned
-        while decoding). On CPU experts are computed where they lie; a prefetch only reads
-        ahead from disk on a thread of its own, so every guess is issued."""
-        if copy_ms is None:
-            return None
-        return PrefetchCost(copy_ms, overlap_ms=0.0, measure_overlap=True)
+        """A guess must pay for its load. On CUDA: its copy (measured now). On CPU: its read from disk
+        into the RAM tier, on the prefetch thread (timed on every read, see `HostReadCost`). The
+        compute it can hide behind is learned while decoding."""
+        if copy_ms is not None:
+            return PrefetchCost(copy_ms, overlap_ms=0.0, measure_overlap=True)
+        spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
+        log.info("CPU prefetch: the compute runs on %d threads, %s", torch.get_num_threads(),
+                 "a core is left to the reads" if spare_core else "the reads share its cores")
+        return HostReadCost(0.0, overlap_ms=0.0, measure_overlap=True, reads=self.loaded.host.read_times,
+                            spare_core=spare_core)
 
     def _miss_planner(self, copy_ms: float | None) -> MissPlanner | None:
         """`--cpu-experts auto`: on CUDA, misses go to the host cores too when that was measured
