@@ -189,7 +189,9 @@ class ExpertCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._protected: set[ExpertKey] = set()
         self._prefetched_unused: set[ExpertKey] = set()
-        self._prefetch_victims: OrderedDict[ExpertKey, None] = OrderedDict()  # the last `capacity` of them
+        # expert a prefetch evicted → the eviction count then; "soon after": within `capacity` evictions more
+        self._prefetch_victims: OrderedDict[ExpertKey, int] = OrderedDict()
+        self._evictions = 0
         self._filling: dict[ExpertKey, int] = {}  # in-place prefetches reading into their reserved slot
         self._lock = threading.RLock()
         self._filled = threading.Condition(self._lock)
@@ -225,7 +227,8 @@ class ExpertCache:
                 slot = self._slot_of.get(key)
                 if slot is None:
                     self.stats.add("misses", layer)
-                    if self._prefetch_victims.pop(key, False) is None:  # a prefetch evicted it lately
+                    if key in self._recent_prefetch_victims():  # a prefetch evicted it lately
+                        del self._prefetch_victims[key]
                         self.stats.add("prefetch_regrets", layer)
                     slot = self._load(key)
                 else:
@@ -354,12 +357,20 @@ class ExpertCache:
         self._prefetched_unused.discard(victim)
         self.policy.on_evict(victim)
         self.stats.add("evictions", victim[0])
-        if for_prefetch:  # if it is missed while among the last `capacity` such victims: a regret
-            self._prefetch_victims[victim] = None
+        self._evictions += 1
+        if for_prefetch:  # if it is missed within `capacity` evictions more: a regret
+            self._prefetch_victims[victim] = self._evictions
             self.stats.add("prefetch_evictions", victim[0])
-            while len(self._prefetch_victims) > self.capacity:
-                self._prefetch_victims.popitem(last=False)
         return slot
+
+    def _recent_prefetch_victims(self) -> OrderedDict[ExpertKey, int]:
+        """Victims of prefetches evicted no more than `capacity` evictions ago. Counted in evictions, not
+        in prefetches: once the gate stops prefetching, old victims stop counting (they used to count
+        whenever missed, however late, which held the regret near 1 and the gate shut for good)."""
+        victims = self._prefetch_victims
+        while victims and self._evictions - next(iter(victims.values())) >= self.capacity:
+            victims.popitem(last=False)
+        return victims
 
     def _register(self, key: ExpertKey, slot: int) -> None:
         self._slot_of[key] = slot

@@ -88,7 +88,7 @@ class HostReadCost(PrefetchCost):
 
     Its time waiting on the disk overlaps the engine's compute as a copy on a link does. Its CPU
     time (the kernel copying out of the page cache) does so only when the compute leaves a core
-    free (`spare_core`); otherwise it is taken from the step, and every member of the compute's
+    free (`core_to_spare`); otherwise it is taken from the step, and every member of the compute's
     thread team waits for the one it pre-empted (bench.cpu_prefetch, 2 cores, every read from
     the page cache: prefetch on cost 9-18% more per token than off). Figures: `reads`, measured
     on every read, demand or prefetch.
@@ -97,8 +97,14 @@ class HostReadCost(PrefetchCost):
     reads: ReadTimes = field(default_factory=ReadTimes)
     spare_core: bool = False
 
+    def core_to_spare(self) -> bool:
+        """The compute leaves a core, and the reads find it free: their wait for a core stays under a
+        tenth of their CPU time (bench.cpu_prefetch, one compute thread on 2 cores: 0.01 with the other
+        core idle, 0.3 with another job busy on it)."""
+        return self.spare_core and self.reads.queued_ms < 0.1 * self.reads.cpu_ms
+
     def refresh(self) -> None:
-        if self.spare_core:
+        if self.core_to_spare():
             self.copy_ms, self.stolen_ms = self.reads.wall_ms, 0.0
         else:
             self.copy_ms, self.stolen_ms = self.reads.disk_ms, self.reads.cpu_ms
@@ -118,7 +124,7 @@ class HostReadCost(PrefetchCost):
 
     def figures(self) -> dict:
         reads = self.reads
-        return {"spare_core": self.spare_core, "reads": reads.reads, "read_ms": round(reads.wall_ms, 3),
+        return {"spare_core": self.core_to_spare(), "reads": reads.reads, "read_ms": round(reads.wall_ms, 3),
                 "read_cpu_ms": round(reads.cpu_ms, 3), "read_queued_ms": round(reads.queued_ms, 3),
                 "read_disk_ms": round(reads.disk_ms, 3)}
 

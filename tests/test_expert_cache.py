@@ -203,3 +203,18 @@ def test_an_expert_a_prefetch_evicted_and_then_missed_counts_as_a_regret():
     use(cache, 0, [3])
     totals = cache.stats.totals()
     assert (totals["prefetch_evictions"], totals["prefetch_regrets"]) == (1, 1)
+
+
+def test_a_prefetch_victim_missed_long_after_is_no_regret():
+    """Missed after `capacity` evictions more, the victim would have been evicted by then anyway. Counted
+    so, the regret of a gate that stopped prefetching climbed to 0.94 and shut it for good (LRU, CPU)."""
+    cache = dry_cache(2)
+    use(cache, 0, [1])
+    use(cache, 0, [2])
+    cache.policy.on_lookahead(1, [4])
+    assert cache.prefetch((1, 4))  # evicts (0, 1)
+    for expert in (5, 6):
+        use(cache, 0, [expert])  # two demand evictions: (0, 1) is no longer recent
+    use(cache, 0, [1])
+    totals = cache.stats.totals()
+    assert (totals["prefetch_evictions"], totals["prefetch_regrets"]) == (1, 0)
