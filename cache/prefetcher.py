@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.expert_cache import ExpertCache
-from cache.host_store import ReadTimes
+from cache.host_store import ReadTimes, thread_cpu_and_queue_ns
 from cache.policy import ExpertKey
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,9 @@ class PrefetchCost:
         """Whether guessing is worth its own cost (the look-ahead's router, the policy's ranking)."""
         return True
 
+    def observe_prefetch(self, cpu_ms: float, queued_ms: float) -> None:
+        """One prefetch's CPU time and wait for a core on the prefetch thread (a link's cost ignores them)."""
+
     def figures(self) -> dict:
         """What this cost measures besides the copy and the window (shown in /v1/expert-cache)."""
         return {}
@@ -91,17 +94,33 @@ class HostReadCost(PrefetchCost):
     free (`core_to_spare`); otherwise it is taken from the step, and every member of the compute's
     thread team waits for the one it pre-empted (bench.cpu_prefetch, 2 cores, every read from
     the page cache: prefetch on cost 9-18% more per token than off). Figures: `reads`, measured
-    on every read, demand or prefetch.
+    on every read, demand or prefetch; whether the spare core is free, on every prefetch.
     """
 
     reads: ReadTimes = field(default_factory=ReadTimes)
     spare_core: bool = False
+    clock: Callable[[], float] = time.monotonic
+    contended_until: float = 0.0  # `clock` time: till then the spare core is taken (`observe_prefetch`)
+    prefetch_reads: ReadTimes = field(default_factory=ReadTimes)  # the prefetch thread's, since the last back-off
+
+    CONTENDED_BACKOFF_S = 10.0  # how long the gate's CPU rule holds once the spare core was found taken
+    CONTENDED_SHARE = 0.2  # a prefetch's wait for a core, in its CPU time, that means it is taken
+    JUDGED_AFTER = 8  # prefetches timed before judging (one may wait on a passing job)
 
     def core_to_spare(self) -> bool:
-        """The compute leaves a core, and the reads find it free: their wait for a core stays under a
-        tenth of their CPU time (bench.cpu_prefetch, one compute thread on 2 cores: 0.01 with the other
-        core idle, 0.3 with another job busy on it)."""
-        return self.spare_core and self.reads.queued_ms < 0.1 * self.reads.cpu_ms
+        """The compute leaves a core, and the prefetch reads have lately found it free."""
+        return self.spare_core and self.clock() >= self.contended_until
+
+    def observe_prefetch(self, cpu_ms: float, queued_ms: float) -> None:
+        """One prefetch on the prefetch thread: its CPU time and its wait for a core. Waits over a fifth of
+        the CPU time on average mean another job holds the core the compute leaves (bench.cpu_prefetch,
+        one compute thread on 2 cores, every read: 0.01 with the other core idle, 0.3 with a busy loop on
+        it). The gate then holds for `CONTENDED_BACKOFF_S` and judges afresh."""
+        times = self.prefetch_reads
+        times.observe(cpu_ms + queued_ms, cpu_ms, queued_ms)
+        if times.reads >= self.JUDGED_AFTER and times.queued_ms > self.CONTENDED_SHARE * times.cpu_ms:
+            self.contended_until = self.clock() + self.CONTENDED_BACKOFF_S
+            self.prefetch_reads = ReadTimes()
 
     def refresh(self) -> None:
         if self.core_to_spare():
@@ -126,7 +145,8 @@ class HostReadCost(PrefetchCost):
         reads = self.reads
         return {"spare_core": self.core_to_spare(), "reads": reads.reads, "read_ms": round(reads.wall_ms, 3),
                 "read_cpu_ms": round(reads.cpu_ms, 3), "read_queued_ms": round(reads.queued_ms, 3),
-                "read_disk_ms": round(reads.disk_ms, 3)}
+                "read_disk_ms": round(reads.disk_ms, 3), "prefetch_read_cpu_ms": round(self.prefetch_reads.cpu_ms, 3),
+                "prefetch_read_queued_ms": round(self.prefetch_reads.queued_ms, 3)}
 
 
 @dataclass(frozen=True)
@@ -332,8 +352,11 @@ class Prefetcher:
             self.held_back += 1
             return spent_ms
         try:
+            cpu_ns, queued_ns = thread_cpu_and_queue_ns()
             if self.cache.prefetch(key) and self.cost is not None:
                 spent_ms += self.cost.copy_ms
+                cpu_end_ns, queued_end_ns = thread_cpu_and_queue_ns()
+                self.cost.observe_prefetch((cpu_end_ns - cpu_ns) / 1e6, (queued_end_ns - queued_ns) / 1e6)
         except Exception as exc:
             self.failures += 1
             if self.failures == 1:

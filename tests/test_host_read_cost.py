@@ -47,12 +47,21 @@ def test_a_core_to_spare_makes_the_whole_read_free_inside_the_window():
     assert cost.copy_ms == 3.0 and cost.stolen_ms == 0.0
 
 
-def test_a_core_the_reads_must_wait_for_is_not_spare():
-    """Another job busy on the core the compute leaves: the reads wait for it (measured: a third of their
-    CPU time), and their CPU time is then taken from the step as if no core were left."""
-    cost = HostReadCost(0.0, overlap_ms=20.0, reads=reads(4.0, 3.0, queued_ms=1.0), spare_core=True)
+def test_a_core_the_prefetches_must_wait_for_is_not_spare_for_a_while():
+    """Another job busy on the core the compute leaves: the prefetch reads wait for it (measured: a third
+    of their CPU time), and their CPU time is then taken from the step as if no core were left."""
+    now = [100.0]
+    cost = HostReadCost(0.0, overlap_ms=20.0, reads=reads(3.0, 3.0), spare_core=True, clock=lambda: now[0])
+    for _ in range(20):
+        cost.observe_prefetch(cpu_ms=3.0, queued_ms=0.02)  # idle: they run at once
+    cost.observe_prefetch(cpu_ms=3.0, queued_ms=3.0)  # one waited on a passing job
+    assert cost.core_to_spare() and cost.may_pay(regret=0.25)
+    for _ in range(HostReadCost.JUDGED_AFTER):
+        cost.observe_prefetch(cpu_ms=3.0, queued_ms=1.0)
     assert not cost.core_to_spare() and not cost.may_pay(regret=0.25)
     assert (cost.copy_ms, cost.stolen_ms) == (0.0, 3.0)
+    now[0] += HostReadCost.CONTENDED_BACKOFF_S
+    assert cost.core_to_spare()  # then it tries again
 
 
 def test_a_disk_read_pays_for_a_likely_guess_and_not_for_an_unlikely_one():
