@@ -33,7 +33,7 @@ from engine.engine import Engine
 SHAPE = replace(DEEPSEEK, name="DeepSeek-V2-Lite routing at H 1024", hidden=1024, expert_intermediate=704,
                 heads=8, kv_heads=8, dense_intermediate=2048)  # fmt: skip
 GATE_FIGURES = ("spare_core", "read_ms", "read_cpu_ms", "read_queued_ms", "read_disk_ms", "compute_window_ms",
-                "held_back")  # what the prefetch gate weighed (HostReadCost)
+                "prefetch_wait_share_median", "held_back")  # what the prefetch gate weighed (HostReadCost)
 ROWS = (("lru", False), ("lru", True), ("sparsity-aware", False), ("sparsity-aware", True))
 
 

@@ -21,10 +21,13 @@ cost every guess is issued.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -54,6 +57,8 @@ class PrefetchCost:
     overlap_ms: float
     measure_overlap: bool = False  # the engine: learn `overlap_ms` from the decode steps it times
     stolen_ms: float = 0.0
+
+    times_prefetches: ClassVar[bool] = False  # whether `observe_prefetch` uses the prefetch thread's clocks
 
     def observe_layer(self, ms: float) -> None:
         """The measured compute of one decode layer (a running average)."""
@@ -102,26 +107,31 @@ class HostReadCost(PrefetchCost):
     clock: Callable[[], float] = time.monotonic
     contended_until: float = 0.0  # `clock` time: till then the spare core is taken (`observe_prefetch`)
     prefetch_reads: ReadTimes = field(default_factory=ReadTimes)  # the prefetch thread's, since the last back-off
+    # wait for a core ÷ CPU time of each of the prefetch thread's latest prefetches
+    wait_shares: deque[float] = field(default_factory=lambda: deque(maxlen=HostReadCost.JUDGED_OVER))
 
-    CONTENDED_BACKOFF_S = 10.0  # how long the gate's CPU rule holds once the spare core was found taken
-    CONTENDED_SHARE = 0.2  # a prefetch's wait for a core, in its CPU time, that means it is taken
-    JUDGED_AFTER = 8  # prefetches timed before judging (one may wait on a passing job)
+    times_prefetches: ClassVar[bool] = True
+    CONTENDED_BACKOFF_S: ClassVar[float] = 10.0  # how long the gate's CPU rule holds once the spare core was found taken
+    CONTENDED_SHARE: ClassVar[float] = 0.5  # a prefetch's typical wait for a core, in its CPU time, that means it is taken
+    JUDGED_OVER: ClassVar[int] = 9  # prefetches whose median wait judges the core (odd: a middle one)
 
     def core_to_spare(self) -> bool:
         """The compute leaves a core, and the prefetch reads have lately found it free."""
         return self.spare_core and self.clock() >= self.contended_until
 
     def observe_prefetch(self, cpu_ms: float, queued_ms: float) -> None:
-        """One prefetch on the prefetch thread: its CPU time and its wait for a core. Waits over a fifth of
-        the CPU time on average mean another job holds the core the compute leaves (bench.cpu_prefetch's
-        model, one compute thread on 2 cores, wait ÷ CPU per prefetch: median 0 and p99 0.29 with the
-        other core idle, median 1.9 with a busy loop on it). The gate then holds for
-        `CONTENDED_BACKOFF_S` and judges afresh."""
-        times = self.prefetch_reads
-        times.observe(cpu_ms + queued_ms, cpu_ms, queued_ms)
-        if times.reads >= self.JUDGED_AFTER and times.queued_ms > self.CONTENDED_SHARE * times.cpu_ms:
+        """One prefetch on the prefetch thread: its CPU time and its wait for a core. The median of the
+        latest prefetches' wait ÷ CPU time judges whether another job holds the core the compute leaves.
+        The median, not the mean: bench.cpu_prefetch's model (one compute thread on 2 cores) measured
+        wait ÷ CPU per prefetch at median 0 and p99 0.29 with the other core idle, so one passing job
+        tripped a mean, and at median 1.9 with a busy loop on that core. Once taken, the gate holds for
+        `CONTENDED_BACKOFF_S` and then judges afresh."""
+        self.prefetch_reads.observe(cpu_ms + queued_ms, cpu_ms, queued_ms)
+        self.wait_shares.append(queued_ms / max(cpu_ms, 1e-3))
+        if len(self.wait_shares) == self.JUDGED_OVER and statistics.median(self.wait_shares) > self.CONTENDED_SHARE:
             self.contended_until = self.clock() + self.CONTENDED_BACKOFF_S
             self.prefetch_reads = ReadTimes()
+            self.wait_shares.clear()
 
     def refresh(self) -> None:
         if self.core_to_spare():
@@ -147,7 +157,8 @@ class HostReadCost(PrefetchCost):
         return {"spare_core": self.core_to_spare(), "reads": reads.reads, "read_ms": round(reads.wall_ms, 3),
                 "read_cpu_ms": round(reads.cpu_ms, 3), "read_queued_ms": round(reads.queued_ms, 3),
                 "read_disk_ms": round(reads.disk_ms, 3), "prefetch_read_cpu_ms": round(self.prefetch_reads.cpu_ms, 3),
-                "prefetch_read_queued_ms": round(self.prefetch_reads.queued_ms, 3)}
+                "prefetch_read_queued_ms": round(self.prefetch_reads.queued_ms, 3),
+                "prefetch_wait_share_median": round(statistics.median(self.wait_shares), 3) if self.wait_shares else None}
 
 
 @dataclass(frozen=True)
@@ -352,12 +363,14 @@ class Prefetcher:
         if self.cost is not None and not self.cost.worth(chance, spent_ms, self._regret()):
             self.held_back += 1
             return spent_ms
+        timed = self.cost is not None and self.cost.times_prefetches
         try:
-            cpu_ns, queued_ns = thread_cpu_and_queue_ns()
+            cpu_ns, queued_ns = thread_cpu_and_queue_ns() if timed else (0, 0)
             if self.cache.prefetch(key) and self.cost is not None:
                 spent_ms += self.cost.copy_ms
-                cpu_end_ns, queued_end_ns = thread_cpu_and_queue_ns()
-                self.cost.observe_prefetch((cpu_end_ns - cpu_ns) / 1e6, (queued_end_ns - queued_ns) / 1e6)
+                if timed:  # a read happened: what it cost this thread
+                    cpu_end_ns, queued_end_ns = thread_cpu_and_queue_ns()
+                    self.cost.observe_prefetch((cpu_end_ns - cpu_ns) / 1e6, (queued_end_ns - queued_ns) / 1e6)
         except Exception as exc:
             self.failures += 1
             if self.failures == 1:
