@@ -24,6 +24,7 @@ import logging
 import statistics
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -213,14 +214,15 @@ class Prefetcher:
         # per source, the recent share of right guesses ("lookahead_absent": of those not resident when made)
         self.accuracy = {source: SourceAccuracy(len(routers)) for source in ("lookahead", "lookahead_absent", "policy")}
         self._guesses: dict[str, tuple[int, set[int]]] = {}  # source → (layer, experts) guessed for that layer
-        self._pending: list[tuple[ExpertKey, float]] = []  # (key, chance), most likely first
-        self._spent = 0.0  # link ms of the pending batch's prefetches issued so far
         self._last_mark: LayerMark | None = None  # at the last layer's prefetch point
-        self._wake = threading.Condition()
-        self._closed = False
+        self._queue = GuessQueue()
         self._thread = None
         if background:
-            self._thread = threading.Thread(target=self._work, name="expert-prefetch", daemon=True)
+            # the thread holds the prefetcher only weakly: one that its owner drops without close() is
+            # collected, and its finalizer ends the thread
+            self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                            name="expert-prefetch", daemon=True)
+            weakref.finalize(self, self._queue.close)
             self._thread.start()
 
     def lookahead(self, layer: int, hidden: torch.Tensor | None, phase: str) -> torch.Tensor | None:
@@ -294,9 +296,7 @@ class Prefetcher:
             self.cost.observe_layer(compute_ms)
 
     def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
+        self._queue.close()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -335,27 +335,7 @@ class Prefetcher:
             for key, chance in guesses:
                 spent = self._prefetch(key, chance, spent)
             return
-        with self._wake:
-            self._pending = list(guesses)  # supersedes what the last layer asked for
-            self._spent = 0.0
-            self._wake.notify()
-
-    def _work(self) -> None:
-        # One intra-op thread here: a torch op this thread runs in parallel gives it an OpenMP team of its
-        # own, whose workers then contend with the engine thread's for every core (on 2 cores the engine's
-        # compute ran 2x slower from the first prefetch on, for the rest of the process)
-        torch.set_num_threads(1)
-        while True:
-            with self._wake:
-                while not self._pending and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return
-                key, chance = self._pending.pop(0)
-                spent = self._spent
-            spent = self._prefetch(key, chance, spent)
-            with self._wake:
-                self._spent = spent
+        self._queue.replace(guesses)
 
     def _prefetch(self, key: ExpertKey, chance: float, spent_ms: float) -> float:
         """One prefetch, if it pays (see `PrefetchCost`); the link time spent on this layer's
@@ -378,3 +358,54 @@ class Prefetcher:
             else:
                 log.debug("prefetching expert %s failed: %s", key, exc)
         return spent_ms
+
+
+class GuessQueue:
+    """The guesses the prefetch thread has still to issue, most likely first."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition()
+        self._pending: list[tuple[ExpertKey, float]] = []  # (key, chance)
+        self._spent = 0.0  # link ms of the pending batch's prefetches issued so far
+        self._closed = False
+
+    def replace(self, guesses: list[tuple[ExpertKey, float]]) -> None:
+        """A layer's guesses supersede what the last layer asked for."""
+        with self._wake:
+            self._pending = list(guesses)
+            self._spent = 0.0
+            self._wake.notify()
+
+    def next(self) -> tuple[ExpertKey, float, float] | None:
+        """Waits for the next guess: (key, chance, link ms spent so far), or None once closed."""
+        with self._wake:
+            while not self._pending and not self._closed:
+                self._wake.wait()
+            if self._closed:
+                return None
+            key, chance = self._pending.pop(0)
+            return key, chance, self._spent
+
+    def record_spent(self, spent_ms: float) -> None:
+        with self._wake:
+            self._spent = spent_ms
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+
+def _work(prefetcher_ref: weakref.ref[Prefetcher], queue: GuessQueue) -> None:
+    """The prefetch thread. It holds the prefetcher only while it issues a guess."""
+    # One intra-op thread here: a torch op this thread runs in parallel gives it an OpenMP team of its
+    # own, whose workers then contend with the engine thread's for every core (on 2 cores the engine's
+    # compute ran 2x slower from the first prefetch on, for the rest of the process)
+    torch.set_num_threads(1)
+    while (guess := queue.next()) is not None:
+        prefetcher = prefetcher_ref()
+        if prefetcher is None:
+            return
+        key, chance, spent = guess
+        queue.record_spent(prefetcher._prefetch(key, chance, spent))
+        del prefetcher  # waiting must not keep it alive

@@ -2,8 +2,10 @@
 engine and in the trace replay: a prefetch never evicts the experts of the layer it runs in,
 and the engine's hits and misses equal the replay's on the trace the engine recorded."""
 
+import gc
 import random
 import time
+import weakref
 
 import pytest
 import torch
@@ -141,6 +143,24 @@ def test_the_prefetch_thread_computes_on_one_intra_op_thread():
     prefetcher.close()
     assert seen == [1, 1]
     assert torch.get_num_threads() == engine_threads
+
+
+def test_an_engine_dropped_without_close_ends_its_prefetch_thread_and_is_freed(tmp_path):
+    """Tests and scripts load many engines and do not all close them: the prefetch thread must not keep
+    one (its model, its cache slots) alive for the rest of the process."""
+    folder = build_checkpoint("mixtral", tmp_path / "model", num_layers=2)
+    engine = Engine.load(EngineConfig(model=str(folder), device="cpu", policy="lru", prefetch=True,
+                                      expert_cache_experts=2))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    list(engine.generate(GenerationRequest("r", engine.encode("Hello there"), params)))
+    thread = engine.runtime.prefetcher._thread
+    assert thread is not None and thread.is_alive()
+    model = weakref.ref(engine.model)
+    del engine, params
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert model() is None
 
 
 def test_the_gate_weighs_a_look_ahead_guess_by_the_accuracy_of_guesses_that_need_a_copy():
