@@ -1,6 +1,16 @@
-"""Test-wide settings: learned state goes to a temporary folder, never the user's."""
+"""Test-wide settings: learned state goes to a temporary folder, never the user's; with pytest-xdist's
+workers (`-n`), each worker's torch gets its share of the cores."""
+
+import os
 
 import pytest
+import torch
+
+
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # torch's default team, one per core in every worker, would make each wait on the others
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 @pytest.fixture(autouse=True, scope="session")

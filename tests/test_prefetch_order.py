@@ -134,15 +134,19 @@ def test_the_prefetch_thread_computes_on_one_intra_op_thread():
     seen: list[int] = []
     real_prefetch = cache.prefetch
     cache.prefetch = lambda key: (seen.append(torch.get_num_threads()), real_prefetch(key))[1]
-    engine_threads = torch.get_num_threads()
-    prefetcher = Prefetcher(cache, [None, lambda h: torch.tensor([[1, 2]])], background=True, limit=2)
-    prefetcher.after_routing(0, torch.zeros(1, 4), [0, 1], "decode")
-    deadline = time.monotonic() + 10
-    while len(seen) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    prefetcher.close()
-    assert seen == [1, 1]
-    assert torch.get_num_threads() == engine_threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # an engine with a team (the test process may run on one thread: pytest -n)
+    try:
+        prefetcher = Prefetcher(cache, [None, lambda h: torch.tensor([[1, 2]])], background=True, limit=2)
+        prefetcher.after_routing(0, torch.zeros(1, 4), [0, 1], "decode")
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prefetcher.close()
+        assert seen == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_an_engine_dropped_without_close_ends_its_prefetch_thread_and_is_freed(tmp_path):
