@@ -8,6 +8,11 @@ matrices), so a query costs O(entries × sketch) instead of O(entries × L × E)
 computes them from the full matrices (small matrices are always matched exactly). When the collection is
 full, a new entry replaces the most similar stored one (exact cosine), which keeps the
 collection diverse (one entry per kind of request) and fresh (the newest of its kind).
+
+The predictor's guess for a request (`kernel_decode_probability`) pools every entry's
+decode counts, weighted by a sharp kernel of the centred similarity of routing profiles:
+nearer kinds of request count more, long requests (less noisy counts) count more, and no
+single neighbour's noise decides.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from cache.eam import RequestEAM
 
 DEFAULT_CAPACITY = 256  # bench/RESULTS_cache.md: within 0.05 points of unbounded over 1,000 requests
 DEFAULT_SKETCH_DIM = 64  # per part (prefill, decode)
+# of the centred cosine (−1..1): an entry 0.1 less similar weighs e⁻¹ as much; 0.05 to 0.2 give
+# the same miss rates within 0.1 points (bench/RESULTS.md, issue 12)
+MATCH_TEMPERATURE = 0.1
 ARRAY_NAMES = ("prefill", "decode", "decode_tokens")
 
 
@@ -44,6 +52,7 @@ class EAMC:
         self._sketcher = CountSketch(dim, dim if dim <= 4 * sketch_dim else sketch_dim)  # small: exact
         self._sketch = np.zeros((capacity, 2 * self._sketcher.dim), dtype=np.float32)  # [N, 2S]
         self._prob_sum = np.zeros(dim, dtype=np.float64)  # Σ entries' decode probabilities
+        self._profiles: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None  # (version, centred parts)
         self._size = 0
         self.version = 0  # bumped by every add (the autosaver saves only when it changed)
         self._lock = threading.Lock()  # add vs arrays() from a saving thread
@@ -118,7 +127,57 @@ class EAMC:
             best = best[np.argsort(-sims[best])]
         return best, sims[best]
 
+    def centred_similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float) -> np.ndarray:
+        """(1-w)·cos(prefill) + w·cos(decode) of routing profiles centred on the entries' mean profile.
+
+        A part's profile is its counts over their sum. Every request shares the model's common
+        routing, which raw cosines mostly measure; centred ones compare what sets a kind of
+        request apart from the rest.
+        """  # [N]
+        n = self._size
+        sims = np.zeros(n, dtype=np.float32)
+        for (units, mean), query, w in zip(
+            self._centred_profiles(), (prefill, decode), (1.0 - decode_weight, decode_weight), strict=True
+        ):
+            q = np.asarray(query, dtype=np.float32).ravel()
+            if w <= 0 or q.sum() <= 0:
+                continue
+            q = q / q.sum() - mean
+            sims += w * (units @ q) / max(float(np.linalg.norm(q)), 1e-12)
+        return sims
+
+    def _centred_profiles(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per part: the entries' centred profiles at unit length [N, L*E], and the mean profile [L*E]."""
+        if self._profiles is None or self._profiles[0] != self.version:
+            parts = []
+            for counts in (self._prefill[: self._size], self._decode[: self._size]):
+                profiles = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1e-12)
+                mean = profiles.mean(axis=0)
+                profiles -= mean
+                profiles /= np.maximum(np.linalg.norm(profiles, axis=1, keepdims=True), 1e-12)
+                parts.append((profiles, mean))
+            self._profiles = (self.version, parts)
+        return self._profiles[1]
+
     # -- prediction ----------------------------------------------------------------
+    def kernel_decode_probability(
+        self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float, temperature: float = MATCH_TEMPERATURE
+    ) -> np.ndarray:
+        """Every entry's decode counts pooled, each weighted exp(centred similarity / temperature)."""  # [L, E]
+        if self._size == 0:
+            return self.mean_decode_probability()
+        sims = self.centred_similarities(prefill, decode, decode_weight)
+        return self.pooled_decode_probability(np.exp((sims - sims.max()) / temperature))
+
+    def pooled_decode_probability(self, weights: np.ndarray) -> np.ndarray:
+        """Σ weight × decode counts over Σ weight × decode tokens: a long request weighs more."""  # [L, E]
+        w = np.asarray(weights, dtype=np.float64)
+        tokens = float(w @ self._tokens[: self._size])
+        if tokens <= 0:
+            return self.mean_decode_probability()
+        pooled = w @ self._decode[: self._size] / tokens
+        return pooled.reshape(self.num_layers, self.num_experts).astype(np.float32)
+
     def decode_probability(self, indices: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
         """Weighted mean over entries of the share of tokens using each expert."""  # [L, E]
         idx = np.asarray(indices, dtype=np.int64)

@@ -12,7 +12,8 @@ learned estimate, conditioned on two signals:
 - recency: passes since (l, e) was last used (its age);
 - request-level prediction: the expected share of this request's tokens that use
   (l, e), from the request's own decode counts so far blended with a prior that mixes
-  the EAMC entries matching the request's rEAM (past requests of the same kind), the
+  the EAMC's entries pooled by their similarity to the request's rEAM (past requests of
+  the same kind count most), the
   traffic's global popularity and the request's own prompt routing (`SharePredictor`).
 It comes from a hazard table per (prediction bucket, age bin) — the chance of use per
 pass — learned online from every use and every pass an expert waits (so it calibrates
@@ -142,7 +143,8 @@ class SharePredictor:
 
     share = (decode counts so far + w × prior) / (decode tokens so far + w). The prior mixes
     three guesses of the request's routing, each normalised to top_k per layer:
-    - the EAMC entries most similar to the request (re-matched every `rematch_every` tokens);
+    - the EAMC's entries pooled by their similarity to the request (re-matched every
+      `rematch_every` tokens);
     - global popularity: all past requests' decode uses, decayed per request (the EAMC keeps
       one entry per kind of request, so its mean is not the traffic's popularity);
     - the request's own prompt: the share of its prompt tokens routed to each expert.
@@ -155,14 +157,15 @@ class SharePredictor:
     MIXES = simplex_grid(3, 4)  # [M, 3] weights of (EAMC match, popularity, prompt)
     POPULARITY_DECAY = 0.98  # per request
 
-    def __init__(self, eamc: EAMC, match_top: int = 3, rematch_every: int = 16) -> None:
+    def __init__(self, eamc: EAMC, rematch_every: int = 16) -> None:
         self.eamc = eamc
-        self.match_top = match_top
         self.rematch_every = rematch_every
         shape = (eamc.num_layers, eamc.num_experts)
         self.prior = np.full(shape, 1.0 / eamc.num_experts, dtype=np.float32)  # [L, E]
         self.scores = np.zeros((len(self.PRIOR_WEIGHTS), len(self.MIXES)))  # decayed log-likelihood
-        self.weight, self.mix = 16.0, np.array([0.75, 0.25, 0.0])  # before any evidence
+        # before any evidence: weight 16, mix (0.75, 0.25, 0); kept until another pair scores strictly better
+        self._choice = (self.PRIOR_WEIGHTS.index(16.0), int(np.flatnonzero((self.MIXES == [0.75, 0.25, 0.0]).all(axis=1))[0]))
+        self.weight, self.mix = self.PRIOR_WEIGHTS[self._choice[0]], self.MIXES[self._choice[1]]
         self._popularity = np.zeros(shape)  # [L, E] decayed decode uses
         self._top_k = 1
         self._components = np.zeros((3, *shape))  # [3, L, E] the guesses the prior mixes
@@ -202,8 +205,7 @@ class SharePredictor:
         if len(self.eamc):
             t = request.decode_tokens
             decode_weight = t / (t + self.rematch_every)  # the prompt first, then the request's own tokens
-            idx, sims = self.eamc.match(request.prefill, request.decode, decode_weight, top=self.match_top)
-            matched = self._normalised(self.eamc.decode_probability(idx, sims))
+            matched = self._normalised(self.eamc.kernel_decode_probability(request.prefill, request.decode, decode_weight))
         prompt = self._normalised(request.prefill) if request.prefill_tokens else popularity
         self._components = np.stack([matched, popularity, prompt])  # [3, L, E]
         self.prior = np.tensordot(self.mix, self._components, axes=1)
@@ -222,7 +224,11 @@ class SharePredictor:
         share = (counts.ravel()[used] + weights * priors) / (t + weights)  # [W, M, U], rows sum to top_k
         self.scores = 0.98 * self.scores + (np.log(np.maximum(share, 1e-9)) * new.ravel()[used]).sum(axis=2)
         w, m = np.unravel_index(int(np.argmax(self.scores)), self.scores.shape)
-        self.weight, self.mix = self.PRIOR_WEIGHTS[w], self.MIXES[m]
+        # ties keep the weight: a checkpoint with no counts yet scores every weight alike (up to rounding)
+        if self.scores[self._choice[0], m] >= self.scores[w, m] - 1e-6 * (1.0 + abs(self.scores[w, m])):
+            w = self._choice[0]
+        self._choice = (int(w), int(m))
+        self.weight, self.mix = self.PRIOR_WEIGHTS[self._choice[0]], self.MIXES[self._choice[1]]
 
 
 class SparsityAwarePolicy(Policy):
@@ -235,7 +241,6 @@ class SparsityAwarePolicy(Policy):
         eamc: EAMC | None = None,
         *,
         eamc_capacity: int = DEFAULT_CAPACITY,
-        match_top: int = 3,
         rematch_every: int = 16,
         horizon_factor: float = 1.0,
         first_layer_bonus: float = 0.0,
@@ -245,7 +250,7 @@ class SparsityAwarePolicy(Policy):
     ) -> None:
         super().__init__(num_layers, num_experts)
         eamc = eamc if eamc is not None else EAMC(num_layers, num_experts, eamc_capacity)
-        self.predictor = SharePredictor(eamc, match_top, rematch_every)
+        self.predictor = SharePredictor(eamc, rematch_every)
         self.request = RequestEAM(num_layers, num_experts)
         self.reuse = ReuseModel()
         self.horizon_factor = horizon_factor

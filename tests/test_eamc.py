@@ -98,6 +98,37 @@ def test_prediction_weights_matches_and_keeps_a_mean():
     assert eamc.mean_decode_probability()[0].tolist() == pytest.approx([1 / 6, 1 / 6, 1 / 6, 0.5])
 
 
+def test_centred_similarity_ignores_the_routing_every_request_shares():
+    # every request mostly uses expert 0; kind A adds expert 1, kind B expert 2
+    eamc = EAMC(1, 4)
+    eamc.add(row(8, 2, 0, 0), row(8, 2, 0, 0), 10)  # A
+    eamc.add(row(8, 0, 2, 0), row(8, 0, 2, 0), 10)  # B
+    query = row(16, 4, 0, 0)  # an A, twice as long
+    assert eamc.similarities(query, query, 0.5, exact=True) == pytest.approx([1.0, 0.941], abs=1e-3)  # raw: alike
+    assert eamc.centred_similarities(query, query, 0.5) == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert eamc.centred_similarities(query, row(0, 0, 0, 0), 0.0) == pytest.approx([1.0, -1.0], abs=1e-5)
+    eamc.add(row(8, 2, 0, 0), row(8, 1, 1, 0), 10)  # a third entry: the profiles are recomputed
+    assert len(eamc.centred_similarities(query, query, 0.5)) == 3
+
+
+def test_pooled_prediction_weighs_long_requests_more():
+    eamc = EAMC(1, 4)
+    eamc.add(row(1, 0, 0, 0), row(4, 0, 0, 0), 4)  # 4 tokens, all on expert 0
+    eamc.add(row(1, 0, 0, 0), row(0, 1, 0, 0), 1)  # 1 token on expert 1
+    assert eamc.pooled_decode_probability(np.array([1.0, 1.0]))[0].tolist() == pytest.approx([0.8, 0.2, 0, 0])
+    assert eamc.pooled_decode_probability(np.array([0.0, 2.0]))[0].tolist() == pytest.approx([0, 1, 0, 0])
+
+
+def test_kernel_prediction_follows_the_nearest_kind():
+    eamc = EAMC(1, 4)
+    for _ in range(3):
+        eamc.add(row(8, 2, 0, 0), row(0, 0, 0, 6), 6)  # prompts like A decode on expert 3
+        eamc.add(row(8, 0, 2, 0), row(0, 6, 0, 0), 6)  # prompts like B decode on expert 1
+    p = eamc.kernel_decode_probability(row(16, 4, 0, 0), row(0, 0, 0, 0), 0.0)
+    assert p[0, 3] > 0.99 and p[0, 1] < 0.01
+    assert EAMC(1, 4).kernel_decode_probability(row(1, 0, 0, 0), row(0, 0, 0, 0), 0.0).sum() == 0  # empty: the mean
+
+
 def test_count_sketch_estimates_cosine_and_finds_near_duplicates():
     rng = np.random.default_rng(0)
     L, E, n = 24, 128, 200

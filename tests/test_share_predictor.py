@@ -60,3 +60,24 @@ def test_a_random_prompt_gets_little_weight_when_traffic_is_alike():
     request.add(0, [7], "prefill", 8, [8])
     share = predictor.update(request)
     assert share[0, :2].sum() == pytest.approx(1.0, abs=0.1)  # experts 0 and 1 all the same
+
+
+def test_requests_shorter_than_a_rematch_leave_the_prior_weight_as_it_was():
+    # a checkpoint at the first decode token has no counts yet: every prior weight predicts the
+    # tokens after it alike, so they are no evidence for any weight (they were: the first one won)
+    predictor = SharePredictor(EAMC(L, E, capacity=64))
+    weight = predictor.weight
+    rng = np.random.default_rng(2)
+    request = RequestEAM(L, E)
+    for _ in range(5):
+        request.reset()
+        predictor.start(1)
+        for layer in range(L):
+            request.add(layer, [3, 4], "prefill", 8, [4, 4])
+        for _ in range(predictor.rematch_every - 1):
+            predictor.update(request)
+            for layer in range(L):
+                request.add(layer, [int(rng.choice([3, 4]))], "decode")
+        predictor.end(request)
+    assert predictor.weight == weight
+    assert predictor.mix[2] >= 0.5  # the mix did learn: the prompt named the experts used
