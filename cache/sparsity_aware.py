@@ -13,8 +13,8 @@ learned estimate, conditioned on two signals:
 - request-level prediction: the expected share of this request's tokens that use
   (l, e), from the request's own decode counts so far blended with a prior that mixes
   the EAMC's entries pooled by their similarity to the request's rEAM (past requests of
-  the same kind count most), the
-  traffic's global popularity and the request's own prompt routing (`SharePredictor`).
+  the same kind count most), the traffic's global popularity and the request's own
+  prompt routing (`SharePredictor`).
 It comes from a hazard table per (prediction bucket, age bin) — the chance of use per
 pass — learned online from every use and every pass an expert waits (so it calibrates
 itself to the model and traffic at hand), and counts only reuses within a horizon of
