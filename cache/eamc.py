@@ -52,7 +52,9 @@ class EAMC:
         self._sketcher = CountSketch(dim, dim if dim <= 4 * sketch_dim else sketch_dim)  # small: exact
         self._sketch = np.zeros((capacity, 2 * self._sketcher.dim), dtype=np.float32)  # [N, 2S]
         self._prob_sum = np.zeros(dim, dtype=np.float64)  # Σ entries' decode probabilities
-        self._profiles: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None  # (version, centred parts)
+        self._sums = np.zeros((capacity, 2), dtype=np.float32)  # [N, 2] prefill/decode count totals
+        self._profile_sum = np.zeros((2, dim), dtype=np.float64)  # [2, L*E] Σ entries' profiles (counts / total)
+        self._centring: tuple[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None  # (version, parts)
         self._size = 0
         self.version = 0  # bumped by every add (the autosaver saves only when it changed)
         self._lock = threading.Lock()  # add vs arrays() from a saving thread
@@ -72,6 +74,7 @@ class EAMC:
             else:
                 slot = int(np.argmax(self.similarities(p, d, 0.5, exact=True)))
                 self._prob_sum -= self._decode[slot] / max(self._tokens[slot], 1.0)
+                self._profile_sum -= np.stack([self._prefill[slot], self._decode[slot]]) / _safe(self._sums[slot])[:, None]
             self._store(slot, p, d, float(decode_tokens))
             self.version += 1
         return slot
@@ -84,6 +87,8 @@ class EAMC:
         self._decode[slot] = d
         self._tokens[slot] = tokens
         self._norms[slot] = (np.linalg.norm(p), np.linalg.norm(d))
+        self._sums[slot] = (p.sum(), d.sum())
+        self._profile_sum += np.stack([p, d]) / _safe(self._sums[slot])[:, None]
         self._sketch[slot] = np.concatenate([self._sketcher.unit(p), self._sketcher.unit(d)])
         self._prob_sum += d / max(tokens, 1.0)
 
@@ -130,34 +135,40 @@ class EAMC:
     def centred_similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float) -> np.ndarray:
         """(1-w)·cos(prefill) + w·cos(decode) of routing profiles centred on the entries' mean profile.
 
-        A part's profile is its counts over their sum. Every request shares the model's common
-        routing, which raw cosines mostly measure; centred ones compare what sets a kind of
-        request apart from the rest.
+        A part's profile f is its counts over their total. Every request shares the model's common
+        routing, which raw cosines mostly measure; centred ones compare what sets a kind of request
+        apart. With g the mean profile, (f - g)·(q - g) = f·q - f·g - g·q + g·g: one product of the
+        stored counts with the query per part, the rest kept per version of the collection.
         """  # [N]
         n = self._size
         sims = np.zeros(n, dtype=np.float32)
-        for (units, mean), query, w in zip(
-            self._centred_profiles(), (prefill, decode), (1.0 - decode_weight, decode_weight), strict=True
-        ):
+        parts = zip(self._centring_terms(), (prefill, decode), (1.0 - decode_weight, decode_weight), strict=True)
+        for col, ((mean, f_dot_g, f_norm), query, w) in enumerate(parts):
             q = np.asarray(query, dtype=np.float32).ravel()
             if w <= 0 or q.sum() <= 0:
                 continue
-            q = q / q.sum() - mean
-            sims += w * (units @ q) / max(float(np.linalg.norm(q)), 1e-12)
+            q = q / q.sum()
+            g_dot_q, g_dot_g = float(mean @ q), float(mean @ mean)
+            q_norm = np.sqrt(max(float(q @ q) - 2 * g_dot_q + g_dot_g, 0.0))
+            counts = (self._prefill, self._decode)[col]
+            f_dot_q = (counts[:n] @ q) / _safe(self._sums[:n, col])
+            centred = f_dot_q - f_dot_g - g_dot_q + g_dot_g  # [N]
+            sims += w * centred / np.maximum(f_norm * q_norm, 1e-12)
         return sims
 
-    def _centred_profiles(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per part: the entries' centred profiles at unit length [N, L*E], and the mean profile [L*E]."""
-        if self._profiles is None or self._profiles[0] != self.version:
-            parts = []
-            for counts in (self._prefill[: self._size], self._decode[: self._size]):
-                profiles = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1e-12)
-                mean = profiles.mean(axis=0)
-                profiles -= mean
-                profiles /= np.maximum(np.linalg.norm(profiles, axis=1, keepdims=True), 1e-12)
-                parts.append((profiles, mean))
-            self._profiles = (self.version, parts)
-        return self._profiles[1]
+    def _centring_terms(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per part: the mean profile g [L*E], each entry's f·g [N] and |f - g| [N] (recomputed after an add)."""
+        if self._centring is None or self._centring[0] != self.version:
+            n, terms = self._size, []
+            for col, counts in enumerate((self._prefill, self._decode)):
+                mean = (self._profile_sum[col] / max(n, 1)).astype(np.float32)
+                total = _safe(self._sums[:n, col])
+                f_dot_g = (counts[:n] @ mean) / total
+                f_sq = (self._norms[:n, col] / total) ** 2
+                f_norm = np.sqrt(np.maximum(f_sq - 2 * f_dot_g + float(mean @ mean), 0.0))
+                terms.append((mean, f_dot_g, f_norm))
+            self._centring = (self.version, terms)
+        return self._centring[1]
 
     # -- prediction ----------------------------------------------------------------
     def kernel_decode_probability(
@@ -171,7 +182,7 @@ class EAMC:
 
     def pooled_decode_probability(self, weights: np.ndarray) -> np.ndarray:
         """Σ weight × decode counts over Σ weight × decode tokens: a long request weighs more."""  # [L, E]
-        w = np.asarray(weights, dtype=np.float64)
+        w = np.asarray(weights, dtype=np.float32)
         tokens = float(w @ self._tokens[: self._size])
         if tokens <= 0:
             return self.mean_decode_probability()
@@ -215,6 +226,11 @@ class EAMC:
         for p, d, t in zip(prefill, decode, tokens, strict=True):
             eamc.add(p, d, t)
         return eamc
+
+
+def _safe(totals: np.ndarray) -> np.ndarray:
+    """Count totals to divide by: an empty part (total 0) divides by 1 and keeps its zeros."""
+    return np.where(totals > 0, totals, 1.0)
 
 
 class CountSketch:

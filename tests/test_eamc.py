@@ -111,6 +111,27 @@ def test_centred_similarity_ignores_the_routing_every_request_shares():
     assert len(eamc.centred_similarities(query, query, 0.5)) == 3
 
 
+def test_centred_similarity_equals_the_cosine_of_centred_profiles_after_replacements():
+    rng = np.random.default_rng(3)
+    eamc = EAMC(3, 8, capacity=5)
+    for _ in range(9):  # the last 4 replace entries
+        sparse = rng.random((2, 3, 8)) * (rng.random((2, 3, 8)) < 0.5)
+        eamc.add(sparse[0], sparse[1], 4)
+    stored = eamc.arrays()
+    query = rng.random((2, 3, 8)).astype(np.float32)
+
+    def centred_cosines(entries: np.ndarray, q: np.ndarray) -> np.ndarray:
+        profiles = entries.reshape(len(entries), -1)
+        profiles = profiles / profiles.sum(axis=1, keepdims=True)
+        mean = profiles.mean(axis=0)
+        q = q.ravel() / q.sum() - mean
+        centred = profiles - mean
+        return centred @ q / (np.linalg.norm(centred, axis=1) * np.linalg.norm(q))
+
+    expected = 0.3 * centred_cosines(stored["prefill"], query[0]) + 0.7 * centred_cosines(stored["decode"], query[1])
+    assert eamc.centred_similarities(query[0], query[1], 0.7) == pytest.approx(expected, abs=1e-5)
+
+
 def test_pooled_prediction_weighs_long_requests_more():
     eamc = EAMC(1, 4)
     eamc.add(row(1, 0, 0, 0), row(4, 0, 0, 0), 4)  # 4 tokens, all on expert 0
