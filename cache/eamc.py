@@ -1,18 +1,13 @@
 """The expert activation matrix collection (EAMC): a fixed-size memory of past requests' rEAMs.
 
-A new request is matched against it by cosine similarity to predict which experts it
-will use. Matching is one matrix–vector product over all entries: each entry is kept
-as a short count sketch (feature hashing of its unit-length prefill and decode
-matrices), so a query costs O(entries × sketch) instead of O(entries × L × E): about
-10 µs at a thousand entries. Sketched cosines are unbiased estimates; `exact=True`
-computes them from the full matrices (small matrices are always matched exactly). When the collection is
-full, a new entry replaces the most similar stored one (exact cosine), which keeps the
-collection diverse (one entry per kind of request) and fresh (the newest of its kind).
-
-The predictor's guess for a request (`kernel_decode_probability`) pools every entry's
-decode counts, weighted by a sharp kernel of the centred similarity of routing profiles:
-nearer kinds of request count more, long requests (less noisy counts) count more, and no
-single neighbour's noise decides.
+The predictor's guess of a new request's experts (`kernel_decode_probability`) pools every
+entry's decode counts, weighted by a sharp kernel of the centred similarity of routing
+profiles: nearer kinds of request count more, long requests (less noisy counts) count more,
+and no single neighbour's noise decides. It costs one matrix–vector product with the stored
+counts per part (prefill, decode) and one for the pooling: about 0.2 ms at 256 entries of
+24 × 128 (`bench.eamc_match`). When the collection is full, a new entry replaces the most
+similar stored one (cosine), which keeps the collection diverse (one entry per kind of
+request) and fresh (the newest of its kind).
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import numpy as np
 from cache.eam import RequestEAM
 
 DEFAULT_CAPACITY = 256  # bench/RESULTS_cache.md: within 0.05 points of unbounded over 1,000 requests
-DEFAULT_SKETCH_DIM = 64  # per part (prefill, decode)
 # of the centred cosine (−1..1): an entry 0.1 less similar weighs e⁻¹ as much; 0.05 to 0.2 give
 # the same miss rates within 0.1 points (bench/RESULTS.md, issue 12)
 MATCH_TEMPERATURE = 0.1
@@ -37,7 +31,6 @@ class EAMC:
         num_layers: int,
         num_experts: int,
         capacity: int = DEFAULT_CAPACITY,
-        sketch_dim: int = DEFAULT_SKETCH_DIM,
     ) -> None:
         if capacity < 1:
             raise ValueError("EAMC capacity must be at least 1")
@@ -49,8 +42,6 @@ class EAMC:
         self._decode = np.zeros((capacity, dim), dtype=np.float32)  # [N, L*E] raw counts
         self._tokens = np.zeros(capacity, dtype=np.float32)  # [N] decode tokens per entry
         self._norms = np.zeros((capacity, 2), dtype=np.float32)  # [N, 2] prefill/decode L2 norms
-        self._sketcher = CountSketch(dim, dim if dim <= 4 * sketch_dim else sketch_dim)  # small: exact
-        self._sketch = np.zeros((capacity, 2 * self._sketcher.dim), dtype=np.float32)  # [N, 2S]
         self._prob_sum = np.zeros(dim, dtype=np.float64)  # Σ entries' decode probabilities
         self._sums = np.zeros((capacity, 2), dtype=np.float32)  # [N, 2] prefill/decode count totals
         self._profile_sum = np.zeros((2, dim), dtype=np.float64)  # [2, L*E] Σ entries' profiles (counts / total)
@@ -72,7 +63,7 @@ class EAMC:
                 slot = self._size
                 self._size += 1
             else:
-                slot = int(np.argmax(self.similarities(p, d, 0.5, exact=True)))
+                slot = int(np.argmax(self.similarities(p, d, 0.5)))
                 self._prob_sum -= self._decode[slot] / max(self._tokens[slot], 1.0)
                 self._profile_sum -= np.stack([self._prefill[slot], self._decode[slot]]) / _safe(self._sums[slot])[:, None]
             self._store(slot, p, d, float(decode_tokens))
@@ -89,14 +80,11 @@ class EAMC:
         self._norms[slot] = (np.linalg.norm(p), np.linalg.norm(d))
         self._sums[slot] = (p.sum(), d.sum())
         self._profile_sum += np.stack([p, d]) / _safe(self._sums[slot])[:, None]
-        self._sketch[slot] = np.concatenate([self._sketcher.unit(p), self._sketcher.unit(d)])
         self._prob_sum += d / max(tokens, 1.0)
 
     # -- matching ------------------------------------------------------------------
-    def similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float, exact: bool = False):
+    def similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float) -> np.ndarray:
         """Cosine similarity of the query to every entry: (1-w)·cos(prefill) + w·cos(decode)."""  # [N]
-        if not exact:
-            return self.sketched_similarities(self.sketch_query(prefill, decode, decode_weight))
         p = np.asarray(prefill, dtype=np.float32).ravel()
         d = np.asarray(decode, dtype=np.float32).ravel()
         n = self._size
@@ -106,31 +94,6 @@ class EAMC:
             if w > 0 and qn > 0:
                 sims += w * (part[:n] @ q) / (np.maximum(self._norms[:n, col], 1e-12) * qn)
         return sims
-
-    def sketch_query(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float) -> np.ndarray:
-        """The query's sketch, weighted so that one product with the entries gives the similarity."""  # [2S]
-        p = np.asarray(prefill, dtype=np.float32).ravel()
-        d = np.asarray(decode, dtype=np.float32).ravel()
-        return np.concatenate([(1.0 - decode_weight) * self._sketcher.unit(p), decode_weight * self._sketcher.unit(d)])
-
-    def sketched_similarities(self, query_sketch: np.ndarray) -> np.ndarray:
-        """Estimated similarities to every entry: one matrix–vector product."""  # [N]
-        return self._sketch[: self._size] @ query_sketch
-
-    def match(
-        self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float = 0.5, top: int = 1, exact: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The `top` most similar entries, best first: (indices, similarities)."""
-        if self._size == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        sims = self.similarities(prefill, decode, decode_weight, exact)
-        top = min(top, self._size)
-        if top == 1:
-            best = np.array([int(np.argmax(sims))])
-        else:
-            best = np.argpartition(-sims, top - 1)[:top]
-            best = best[np.argsort(-sims[best])]
-        return best, sims[best]
 
     def centred_similarities(self, prefill: np.ndarray, decode: np.ndarray, decode_weight: float) -> np.ndarray:
         """(1-w)·cos(prefill) + w·cos(decode) of routing profiles centred on the entries' mean profile.
@@ -189,15 +152,6 @@ class EAMC:
         pooled = w @ self._decode[: self._size] / tokens
         return pooled.reshape(self.num_layers, self.num_experts).astype(np.float32)
 
-    def decode_probability(self, indices: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-        """Weighted mean over entries of the share of tokens using each expert."""  # [L, E]
-        idx = np.asarray(indices, dtype=np.int64)
-        w = np.ones(len(idx)) if weights is None else np.maximum(np.asarray(weights, dtype=np.float64), 0.0)
-        if len(idx) == 0 or w.sum() <= 0:
-            return self.mean_decode_probability()
-        probs = self._decode[idx] / np.maximum(self._tokens[idx], 1.0)[:, None]
-        return (w @ probs / w.sum()).reshape(self.num_layers, self.num_experts)
-
     def mean_decode_probability(self) -> np.ndarray:
         """The average over all entries (what a request of an unknown kind looks like)."""  # [L, E]
         mean = self._prob_sum / max(self._size, 1)
@@ -215,14 +169,12 @@ class EAMC:
             }
 
     @classmethod
-    def from_arrays(
-        cls, arrays: dict[str, np.ndarray], capacity: int = DEFAULT_CAPACITY, sketch_dim: int = DEFAULT_SKETCH_DIM
-    ) -> EAMC:
+    def from_arrays(cls, arrays: dict[str, np.ndarray], capacity: int = DEFAULT_CAPACITY) -> EAMC:
         """Rebuild from `arrays()`; with fewer slots than entries the replacement rule merges the rest."""
         prefill, decode, tokens = (np.asarray(arrays[k], dtype=np.float32) for k in ARRAY_NAMES)
         if prefill.ndim != 3 or decode.shape != prefill.shape or tokens.shape != prefill.shape[:1]:
             raise ValueError("EAMC arrays must be prefill [N, L, E], decode [N, L, E], decode_tokens [N]")
-        eamc = cls(prefill.shape[1], prefill.shape[2], capacity, sketch_dim)
+        eamc = cls(prefill.shape[1], prefill.shape[2], capacity)
         for p, d, t in zip(prefill, decode, tokens, strict=True):
             eamc.add(p, d, t)
         return eamc
@@ -231,29 +183,3 @@ class EAMC:
 def _safe(totals: np.ndarray) -> np.ndarray:
     """Count totals to divide by: an empty part (total 0) divides by 1 and keeps its zeros."""
     return np.where(totals > 0, totals, 1.0)
-
-
-class CountSketch:
-    """Feature hashing of `in_dim`-vectors to `dim` buckets with random signs (seeded by `in_dim`).
-
-    Inner products of sketches estimate inner products of the inputs without bias; with
-    `in_dim <= dim` it is the identity, so cosines are exact.
-    """
-
-    def __init__(self, in_dim: int, dim: int) -> None:
-        self.identity = in_dim <= dim
-        self.dim = in_dim if self.identity else dim
-        rng = np.random.default_rng(in_dim)
-        self._bucket = rng.integers(0, self.dim, in_dim)
-        self._sign = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), in_dim)
-
-    def unit(self, x: np.ndarray) -> np.ndarray:
-        """Sketch of x / ‖x‖ (zeros for a zero vector)."""
-        norm = float(np.linalg.norm(x))
-        if norm == 0.0:
-            return np.zeros(self.dim, dtype=np.float32)
-        if self.identity:
-            return (x / norm).astype(np.float32)
-        nz = np.flatnonzero(x)
-        out = np.bincount(self._bucket[nz], weights=self._sign[nz] * x[nz], minlength=self.dim)
-        return (out / norm).astype(np.float32)
