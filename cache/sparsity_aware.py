@@ -163,13 +163,22 @@ class SharePredictor:
         shape = (eamc.num_layers, eamc.num_experts)
         self.prior = np.full(shape, 1.0 / eamc.num_experts, dtype=np.float32)  # [L, E]
         self.scores = np.zeros((len(self.PRIOR_WEIGHTS), len(self.MIXES)))  # decayed log-likelihood
-        # before any evidence: weight 16, mix (0.75, 0.25, 0); kept until another pair scores strictly better
+        # (prior weight, mix) indices; before any evidence: weight 16, mix (0.75, 0.25, 0)
         self._choice = (self.PRIOR_WEIGHTS.index(16.0), int(np.flatnonzero((self.MIXES == [0.75, 0.25, 0.0]).all(axis=1))[0]))
-        self.weight, self.mix = self.PRIOR_WEIGHTS[self._choice[0]], self.MIXES[self._choice[1]]
         self._popularity = np.zeros(shape)  # [L, E] decayed decode uses
         self._top_k = 1
         self._components = np.zeros((3, *shape))  # [3, L, E] the guesses the prior mixes
         self._checkpoint: tuple[np.ndarray, int, np.ndarray] | None = None
+
+    @property
+    def weight(self) -> float:
+        """The prior's weight, in tokens of evidence."""
+        return self.PRIOR_WEIGHTS[self._choice[0]]
+
+    @property
+    def mix(self) -> np.ndarray:
+        """The prior's weights of (EAMC match, popularity, prompt)."""  # [3]
+        return self.MIXES[self._choice[1]]
 
     def start(self, top_k: int) -> np.ndarray:
         """A new request: the prior is the traffic's popularity."""
@@ -228,7 +237,6 @@ class SharePredictor:
         if self.scores[self._choice[0], m] >= self.scores[w, m] - 1e-6 * (1.0 + abs(self.scores[w, m])):
             w = self._choice[0]
         self._choice = (int(w), int(m))
-        self.weight, self.mix = self.PRIOR_WEIGHTS[self._choice[0]], self.MIXES[self._choice[1]]
 
 
 class SparsityAwarePolicy(Policy):
