@@ -193,6 +193,7 @@ class ExpertCache:
         self._prefetch_victims: OrderedDict[ExpertKey, int] = OrderedDict()
         self._evictions = 0
         self._filling: dict[ExpertKey, int] = {}  # in-place prefetches reading into their reserved slot
+        self._demand_loading: ExpertKey | None = None  # the step's miss waiting in `_take_slot` for a slot
         self._lock = threading.RLock()
         self._filled = threading.Condition(self._lock)
 
@@ -312,7 +313,7 @@ class ExpertCache:
         self.stats.add("prefetches", key[0])
 
     def _admits(self, key: ExpertKey) -> bool:
-        if key in self._slot_of or key in self._filling:
+        if key in self._slot_of or key in self._filling or key == self._demand_loading:
             return False
         if self._free:
             return True
@@ -335,7 +336,13 @@ class ExpertCache:
             return None
 
     def _load(self, key: ExpertKey) -> int:
-        slot = self._take_slot()
+        # `_take_slot` may wait for an in-place prefetch's read, releasing the lock: a prefetch of `key`
+        # admitted meanwhile would make it resident and protected, leaving the step no victim for its slot
+        self._demand_loading = key
+        try:
+            slot = self._take_slot()
+        finally:
+            self._demand_loading = None
         self.backend.load(key, slot)
         self._register(key, slot)
         return slot

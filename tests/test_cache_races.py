@@ -8,6 +8,7 @@ Every expert is filled with one constant, so a slot that received another expert
 import random
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import pytest
@@ -17,7 +18,10 @@ from safetensors.torch import save_file
 from cache.expert_cache import ExpertCache, InPlaceBackend, SlotBackend
 from cache.host_store import ExpertLayout, HostStore, Segment
 from cache.policy import LRUPolicy
+from cache.prefetcher import Prefetcher
+from cache.runtime import ExpertRuntime
 from cache.safetensors_index import index_checkpoint
+from cache.sparsity_aware import SparsityAwarePolicy
 from cache.stats import CacheStats
 
 H, INTER, E, L = 64, 96, 8, 2
@@ -153,6 +157,56 @@ def test_in_place_a_step_needing_every_slot_waits_for_the_one_a_prefetch_reserve
     cache.release(0, [1, 2])
 
 
+class PrefetchesOnInsert(LRUPolicy):
+    """The prefetch thread's next guess, admitted the moment its last read is registered (under the
+    cache lock, before any waiting step can take the lock back)."""
+
+    def __init__(self, cache_of: Callable[[], ExpertCache], after: tuple[int, int], guess: tuple[int, int]) -> None:
+        super().__init__(L, E)
+        self.cache_of, self.after, self.guess = cache_of, after, guess
+        self.on_lookahead(*guess[:1], [guess[1]])  # the guess outranks what is resident: it may evict
+        self.admitted: list[bool] = []
+
+    def on_insert(self, key: tuple[int, int]) -> None:
+        super().on_insert(key)
+        if key == self.after:
+            self.admitted.append(self.cache_of().prefetch(self.guess))
+
+
+def test_in_place_no_prefetch_brings_in_the_expert_a_waiting_step_is_loading(constant_experts):
+    """The step's miss waits for a slot that a prefetch's read holds. Had the prefetch thread then
+    brought in that very expert, the step's load would find every slot resident and protected (its
+    own expert among them) and fail: "expert cache full of protected experts" (CI, a 3-slot engine)."""
+    store = HostStore(constant_experts, ExpertLayout.gated(H, INTER), torch.float32, capacity=0)
+    policy = PrefetchesOnInsert(lambda: cache, after=(1, 5), guess=(0, 2))
+    cache = ExpertCache(2, policy, CacheStats(L), InPlaceBackend(store, 2))
+    paused = PausedRead(store, (1, 5))
+    prefetch = threading.Thread(target=cache.prefetch, args=((1, 5),))
+    prefetch.start()
+    assert paused.reading.wait(5)  # one of the two slots is reserved
+    slots: list = []
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            slots.extend(cache.acquire(0, [1, 2]))  # (0, 1) takes the free slot; (0, 2) waits for the other
+        except BaseException as e:
+            errors.append(e)
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    stepping.join(0.2)
+    assert stepping.is_alive()
+    paused.go.set()
+    stepping.join(5)
+    prefetch.join(5)
+    assert errors == [] and len(slots) == 2
+    assert policy.admitted == [False]  # the guess came while the step was loading it: refused
+    for e, slot in zip([1, 2], slots):
+        assert holds_only(cache.backend.view(slot), (0, e))
+    cache.release(0, [1, 2])
+
+
 def test_in_place_a_failed_prefetch_read_gives_its_slot_back(constant_experts):
     cache, store = make_cache(constant_experts, ram_experts=0, slots=2, in_place=True)
     read = store.read_into
@@ -233,6 +287,46 @@ def test_no_slot_ever_holds_another_experts_weights_under_injected_delays(consta
     assert steps > 50 and totals["prefetches"] > 10 and totals["misses"] > 10
     assert wrong == []
     assert len(store._in_flight) == 0  # CPU copies are synchronous: nothing is in flight
+
+
+def test_the_engine_runtime_with_its_prefetch_thread_serves_every_step_with_the_right_weights(constant_experts):
+    """The engine's own path on CPU (runtime, sparsity-aware policy, background prefetcher, a 3-slot RAM
+    tier read from disk) through prefills larger than the cache (streamed in turns) and top-2 decode
+    steps, with delays injected into the reads. Every step finds its slots, and each holds its expert."""
+    store = HostStore(constant_experts, ExpertLayout.gated(H, INTER), torch.float32, capacity=0)
+    rng = random.Random(0)
+    read = store.read_into
+
+    def delayed_read(key, buffer) -> None:
+        time.sleep(rng.random() * 0.0005)
+        read(key, buffer)
+
+    store.read_into = delayed_read
+    wrong: list[tuple] = []
+    failures = 0
+    for trial in range(30):
+        cache = ExpertCache(3, SparsityAwarePolicy(L, E), CacheStats(L), InPlaceBackend(store, 3))
+        runtime = ExpertRuntime(cache, L, E, top_k=2)
+        runtime.prefetcher = Prefetcher(cache, [None] * L, background=True, limit=4)
+        try:
+            for request in range(4):
+                runtime.begin_request(f"{trial}-{request}")
+                for step in range(rng.randint(2, 8)):
+                    runtime.phase = "prefill" if step == 0 else "decode"
+                    for layer in range(L):
+                        size = rng.randint(2, E) if step == 0 else 2
+                        needed = sorted(rng.sample(range(E), size))
+                        runtime.note_routing(layer, needed, tokens=size, counts=None)
+
+                        def check(turn, slots, layer=layer, view=cache.backend.view) -> None:
+                            wrong.extend((layer, e) for e, s in zip(turn, slots) if not holds_only(view(s), (layer, e)))
+
+                        runtime.run_step(layer, needed, None, check)
+                runtime.end_request(f"{trial}-{request}")
+        finally:
+            runtime.prefetcher.close()
+        failures += runtime.prefetcher.failures
+    assert wrong == [] and failures == 0
 
 
 class DoneEvent:
