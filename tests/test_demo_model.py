@@ -113,10 +113,8 @@ def test_generation_config_stops_at_end_of_turn(built, loaded):
 @pytest.mark.slow
 def test_second_call_reuses_the_build(built):
     before = {p.name: p.stat().st_mtime_ns for p in built.iterdir()}
-    start = time.perf_counter()
     assert dm.ensure_demo_model(built.parent) == built
-    assert time.perf_counter() - start < 1.0
-    assert {p.name: p.stat().st_mtime_ns for p in built.iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in built.iterdir()} == before  # nothing rebuilt or rewritten
 
 
 @pytest.mark.slow
