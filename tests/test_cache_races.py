@@ -164,7 +164,7 @@ class PrefetchesOnInsert(LRUPolicy):
     def __init__(self, cache_of: Callable[[], ExpertCache], after: tuple[int, int], guess: tuple[int, int]) -> None:
         super().__init__(L, E)
         self.cache_of, self.after, self.guess = cache_of, after, guess
-        self.on_lookahead(*guess[:1], [guess[1]])  # the guess outranks what is resident: it may evict
+        self.on_lookahead(guess[0], [guess[1]])  # the guess outranks what is resident: it may evict
         self.admitted: list[bool] = []
 
     def on_insert(self, key: tuple[int, int]) -> None:
@@ -294,17 +294,18 @@ def test_the_engine_runtime_with_its_prefetch_thread_serves_every_step_with_the_
     tier read from disk) through prefills larger than the cache (streamed in turns) and top-2 decode
     steps, with delays injected into the reads. Every step finds its slots, and each holds its expert."""
     store = HostStore(constant_experts, ExpertLayout.gated(H, INTER), torch.float32, capacity=0)
-    rng = random.Random(0)
+    delays = random.Random(0)  # of the reads, on both threads
     read = store.read_into
 
     def delayed_read(key, buffer) -> None:
-        time.sleep(rng.random() * 0.0005)
+        time.sleep(delays.random() * 0.0005)
         read(key, buffer)
 
     store.read_into = delayed_read
     wrong: list[tuple] = []
     failures = 0
     for trial in range(30):
+        rng = random.Random(trial)  # the routing
         cache = ExpertCache(3, SparsityAwarePolicy(L, E), CacheStats(L), InPlaceBackend(store, 3))
         runtime = ExpertRuntime(cache, L, E, top_k=2)
         runtime.prefetcher = Prefetcher(cache, [None] * L, background=True, limit=4)
