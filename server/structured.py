@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.api import InvalidRequestError, SamplingParams
 from server import protocol as p
+from server.json_schemas import as_llama_cpp_reads
 from server.tool_parsers.base import COMPACT
 
 
@@ -34,4 +35,4 @@ def _schema(response_format: p.ResponseFormat | None) -> dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise InvalidRequestError("response_format json_schema needs a `schema` object",
                                   param="response_format.json_schema.schema")
-    return {"x-guidance": COMPACT, **schema}
+    return {"x-guidance": COMPACT, **as_llama_cpp_reads(schema)}

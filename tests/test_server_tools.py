@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from engine.api import ChatTemplateInfo, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from engine.chat_messages import prepare_messages
 from engine.text_stream import IncrementalDetokenizer
+from server.json_schemas import INTEGER_LIMIT
 from server.testing import RemoteServer, sse_json
 from server.tools import WARNING_HEADER
 from tests.fixtures.models import build_checkpoint
@@ -323,15 +324,63 @@ PLAN = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenhei
         "required": ["unit", "days"], "additionalProperties": False}
 
 
+def sampled_under(client: openai.OpenAI, schema: dict, seeds: int, max_tokens: int) -> Iterator:
+    """Completions of the random model under `schema` as `response_format`, one per seed at temperature 1."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    for seed in range(seeds):
+        yield client.chat.completions.create(model="tiny-qwen", messages=ASK, response_format=response_format,
+                                             max_tokens=max_tokens, temperature=1.0, seed=seed)
+
+
 def test_response_format_json_schema_on_a_random_model_is_valid_json(qwen):
     client, _ = qwen
-    response_format = {"type": "json_schema", "json_schema": {"name": "plan", "schema": PLAN}}
-    for seed in range(3):
-        response = client.chat.completions.create(model="tiny-qwen", messages=ASK, response_format=response_format,
-                                                  max_tokens=40, temperature=1.0, seed=seed)
+    for response in sampled_under(client, PLAN, seeds=3, max_tokens=40):
         answer = json.loads(response.choices[0].message.content)
         assert answer["unit"] in ("celsius", "fahrenheit") and answer["days"] in (1, 2, 3) and len(answer) == 2
         assert response.choices[0].finish_reason == "stop"
+
+
+# As pydantic's model_json_schema() writes a model: no `additionalProperties`, so JSON Schema alone admits any key
+OPEN_PLAN = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2, 3]},
+                                              "where": {"type": "object", "properties": {"city": {"enum": ["Paris"]}}}},
+             "required": ["unit"]}
+OPEN_UNIT = {"type": "function", "function": {"name": "set_plan", "parameters": OPEN_PLAN}}
+
+
+def keys_are_declared(value: object, schema: dict) -> bool:
+    """Whether every object in `value` has only the keys its schema lists (OPEN_PLAN's shape)."""
+    if not isinstance(value, dict):
+        return True
+    properties = schema.get("properties", {})
+    return set(value) <= set(properties) and all(keys_are_declared(v, properties[k]) for k, v in value.items())
+
+
+def test_response_format_schema_without_additional_properties_gets_only_its_keys(qwen):
+    client, _ = qwen
+    for response in sampled_under(client, OPEN_PLAN, seeds=4, max_tokens=80):
+        answer = json.loads(response.choices[0].message.content)
+        jsonschema.validate(answer, OPEN_PLAN)
+        assert keys_are_declared(answer, OPEN_PLAN), answer
+        assert response.choices[0].finish_reason == "stop"
+
+
+def test_response_format_integers_end_within_sixteen_digits(qwen):
+    client, _ = qwen
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for response in sampled_under(client, schema, seeds=6, max_tokens=30):
+        assert response.choices[0].finish_reason == "stop", response.choices[0].message.content
+        assert abs(json.loads(response.choices[0].message.content)["n"]) <= INTEGER_LIMIT
+
+
+def test_forced_call_arguments_without_additional_properties_get_only_their_keys(qwen):
+    client, _ = qwen
+    for seed in range(4):
+        response = client.chat.completions.create(model="tiny-qwen", messages=ASK, tools=[OPEN_UNIT], tool_choice="required",
+                                                  max_tokens=80, temperature=1.0, seed=seed)
+        (call,) = response.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, OPEN_PLAN)
+        assert keys_are_declared(arguments, OPEN_PLAN), arguments
 
 
 @pytest.mark.parametrize("seed, name, schema", [(i, *named) for i, named in enumerate(varied_schemas(8))])

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from server.json_schemas import as_llama_cpp_reads
+
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # a name a format writes bare, without JSON quotes
 # JSON written one way, as templates show it ({"a": 1, "b": 2}): an unsure model cannot run on in blanks
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -121,7 +123,9 @@ def functions(tools: list[dict], name: str | None) -> list[dict]:
 
 
 def parameters_schema(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object"}
+    """The schema a call's arguments are decoded under: the function's `parameters`, its objects closed
+    to the keys they list (as llama.cpp and vLLM read it)."""
+    return as_llama_cpp_reads(function.get("parameters") or {"type": "object"})
 
 
 def parameter_rules(function: dict, pair_rule: Callable[[str, dict], str]) -> list[str]:
