@@ -165,7 +165,7 @@ class SamplingRequest(SamplingControls):
         return 1 if self.n is None else self.n
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
-        """(param, refused?, why) for each field we know but cannot honour."""
+        """(param, refused?, why) for each field we know but cannot honour, alone or in this combination."""
         return []
 
     def _max_tokens(self) -> int | None:
@@ -187,7 +187,7 @@ class SamplingRequest(SamplingControls):
             raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
         for param, refused, why in self._unsupported():
             if refused:
-                raise InvalidRequestError(f"'{param}' is not supported by this server: {why}", param=param)
+                raise InvalidRequestError(f"'{param}' cannot be used here: {why}", param=param)
         try:
             return self._sampling_params(defaults or {})
         except InvalidRequestError as e:

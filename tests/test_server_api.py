@@ -395,6 +395,7 @@ ERRORS = [
     ("temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, None, "temperature"),
     ("top-logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, None,
      "top_logprobs"),
+    ("top-logprobs-alone", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, None, "top_logprobs"),
     ("n=17", "/v1/chat/completions", {"messages": CHAT, "n": 17}, 400, None, "n"),  # MAX_N is 16
     ("n=0", "/v1/chat/completions", {"messages": CHAT, "n": 0, "stream": True}, 400, None, "n"),
     ("n=-1", "/v1/completions", {"prompt": "a", "n": -1}, 400, None, "n"),
