@@ -1,4 +1,5 @@
-"""User JSON schemas read as llama.cpp and Ollama read them, before decoding under them.
+"""User JSON schemas made ready for the grammar: read as llama.cpp and Ollama read them, and placed
+where the grammar puts them (a tool's parameters inside the schema of a whole call).
 
 The grammar library here follows JSON Schema to the letter, so a model may write what JSON Schema
 admits but nobody asked for, and a small model may go on doing so until `max_tokens` cuts the JSON
@@ -12,6 +13,8 @@ short. Two things are admitted without being asked for:
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -38,18 +41,7 @@ def as_llama_cpp_reads(schema: dict[str, Any]) -> dict[str, Any]:
 def _close(node: Any, merged_refs: set[str], merged: bool) -> Any:
     if not isinstance(node, dict):
         return node
-    out = {}
-    for key, value in node.items():
-        if key in SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _close(sub, merged_refs, f"#/{key}/{name}" in merged_refs) for name, sub in value.items()}
-        elif key in SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_close(sub, merged_refs, _merges_members(node, key)) for sub in value]
-        elif key in SCHEMA_VALUES:
-            subs = value if isinstance(value, list) else [value]
-            closed = [_close(sub, merged_refs, False) for sub in subs]
-            out[key] = closed if isinstance(value, list) else closed[0]
-        else:
-            out[key] = value
+    out = _map_children(node, lambda sub, key, name: _close(sub, merged_refs, _merged_child(node, key, name, merged_refs)))
     if not merged and _lists_all_its_keys(node):
         out["additionalProperties"] = False
     if _is_integer(node):
@@ -83,6 +75,50 @@ def _number(node: dict[str, Any], *keys: str) -> float | None:
             value = node[key]
             return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
     return None
+
+
+def placed_at(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """`schema` to be placed at JSON pointer `pointer` inside another schema: its local `$ref`s ("#...")
+    point into it there (a tool's `parameters` inside the schema of a whole call)."""
+
+    def rebase(node: Any, *_: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = _map_children(node, rebase)
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            out["$ref"] = "#" + pointer + node["$ref"][1:]
+        return out
+
+    return rebase(schema)
+
+
+def with_definitions(spec: Any, root: dict[str, Any]) -> Any:
+    """`spec`, a subschema of `root` to be used on its own (one parameter's schema), with the root's
+    definitions, which its `$ref`s may point to."""
+    if not isinstance(spec, dict) or "$ref" not in json.dumps(spec):
+        return spec
+    return {**spec, **{key: root[key] for key in ("$defs", "definitions") if key in root and key not in spec}}
+
+
+def _map_children(node: dict[str, Any], fn: Callable[[Any, str, Any], Any]) -> dict[str, Any]:
+    """A copy of schema `node` with `fn(child, keyword, name)` in place of each of its subschemas (name: the
+    child's key in a map of schemas, its index in a list of them, else None)."""
+    out = {}
+    for key, value in node.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: fn(sub, key, name) for name, sub in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [fn(sub, key, i) for i, sub in enumerate(value)]
+        elif key in SCHEMA_VALUES:
+            out[key] = [fn(sub, key, i) for i, sub in enumerate(value)] if isinstance(value, list) else fn(value, key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def _merged_child(node: dict[str, Any], key: str, name: Any, merged_refs: set[str]) -> bool:
+    """Whether the subschema `node[key][name]` is merged with another schema."""
+    return f"#/{key}/{name}" in merged_refs if key in SCHEMA_MAPS else _merges_members(node, key)
 
 
 def _merges_members(node: dict[str, Any], key: str) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 from engine.api import InvalidRequestError, SamplingParams
 from server import protocol as p
 from server.json_schemas import as_llama_cpp_reads
-from server.tool_parsers.base import COMPACT
+from server.tool_parsers.base import JSON_OPTIONS
 
 
 def with_response_format(params: SamplingParams, response_format: p.ResponseFormat | None) -> SamplingParams:
@@ -27,7 +27,7 @@ def _schema(response_format: p.ResponseFormat | None) -> dict[str, Any] | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return {"type": "object", "x-guidance": COMPACT}
+        return {"type": "object", "x-guidance": JSON_OPTIONS}
     if response_format.type != "json_schema":
         raise InvalidRequestError(f"response_format type {response_format.type!r} is not supported; use text, "
                                   "json_object or json_schema", param="response_format")
@@ -35,4 +35,4 @@ def _schema(response_format: p.ResponseFormat | None) -> dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise InvalidRequestError("response_format json_schema needs a `schema` object",
                                   param="response_format.json_schema.schema")
-    return {"x-guidance": COMPACT, **as_llama_cpp_reads(schema)}
+    return {"x-guidance": JSON_OPTIONS, **as_llama_cpp_reads(schema)}

@@ -60,9 +60,9 @@ def model(request, tmp_path_factory):
     engine.close()
 
 
-def forced_call(engine: Engine, choice, seed: int, temperature: float = 1.0):
+def forced_call(engine: Engine, choice, seed: int, temperature: float = 1.0, tools: list[dict] = TOOLS):
     """Runs the request as the chat route does; returns the plan, the prompt, the output and the stream."""
-    request = p.ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice=choice)
+    request = p.ChatCompletionRequest(messages=ASK, tools=tools, tool_choice=choice)
     plan = plan_tools(request, engine.chat_template_info, "auto", added_token_ids(engine.tokenizer))
     prompt = engine.apply_chat_template(plan.messages(request.engine_messages()), plan.tools)
     params = plan.sampling_params(SamplingParams(max_tokens=80, temperature=temperature, seed=seed))
@@ -84,6 +84,28 @@ def test_required_gives_one_schema_valid_call_whatever_the_model_prefers(model, 
     jsonschema.validate(json.loads(call.arguments), function["parameters"])
     if marker is not None:  # written as its one token, as prompts show it to the model
         assert engine.tokenizer.convert_tokens_to_ids(marker) in [t for e in events for t in e.token_ids]
+
+
+# As pydantic writes a model with nested models: definitions, and `$ref`s to them (no `additionalProperties`)
+ITINERARY = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "required": ["first"],
+    "$defs": {"Stop": {"type": "object", "required": ["city"], "properties": {
+        "city": {"enum": ["Oslo", "Rome"]}, "nights": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+    "properties": {"first": {"$ref": "#/$defs/Stop"},
+                   "more": {"type": "array", "items": {"$ref": "#/$defs/Stop"}, "maxItems": 2}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
+def test_a_call_whose_parameters_refer_to_definitions_is_schema_valid(model, choice):
+    _, engine, _ = model
+    _, _, events, content, calls = forced_call(engine, choice, 0, tools=[ITINERARY, COLOR])
+    assert events[-1].finish_reason == "stop" and content.strip() == ""
+    (call,) = calls
+    function = {"book": ITINERARY, "pick_color": COLOR}[call.name]["function"]
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, function["parameters"])
+    stops = [arguments["first"], *arguments.get("more", [])] if call.name == "book" else []
+    assert all(set(stop) <= {"city", "nights"} for stop in stops), arguments
 
 
 def test_named_function_is_the_one_called_greedy(model):

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine.constraint import check_grammar
-from server.json_schemas import INTEGER_LIMIT, as_llama_cpp_reads
+from server.json_schemas import INTEGER_LIMIT, as_llama_cpp_reads, placed_at, with_definitions
 from tests.fixtures.schemas import opened, varied_schemas
 
 
@@ -112,3 +112,28 @@ def test_closed_schemas_compile_as_grammars():
         "type": "array", "items": {"type": "object", "properties": {"c": {"type": "string", "maxLength": 3}}}}},
         "required": ["a"]})
     check_grammar(f"start: %json {json.dumps(schema)}\n")
+
+
+STOP = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ROUTE = {"type": "object", "$defs": {"Stop": STOP}, "properties": {
+    "first": {"$ref": "#/$defs/Stop"}, "rest": {"type": "array", "items": {"$ref": "#/$defs/Stop"}}, "loop": {"$ref": "#"}}}
+
+
+def test_a_schema_placed_inside_another_refers_into_itself_there():
+    call = {"type": "object", "properties": {"name": {"const": "route"}, "arguments": placed_at(ROUTE, "/properties/arguments")}}
+    placed = call["properties"]["arguments"]
+    assert placed["properties"]["first"] == {"$ref": "#/properties/arguments/$defs/Stop"}
+    assert placed["properties"]["rest"]["items"] == {"$ref": "#/properties/arguments/$defs/Stop"}
+    assert placed["properties"]["loop"] == {"$ref": "#/properties/arguments"}
+    assert valid({"name": "route", "arguments": {"first": {"city": "Oslo"}, "loop": {"rest": [{"city": "Rome"}]}}}, call)
+    assert not valid({"name": "route", "arguments": {"first": {}}}, call)  # Stop's `city` is still required
+    check_grammar(f"start: %json {json.dumps(call)}\n")
+
+
+def test_a_parameter_used_on_its_own_takes_the_definitions_it_refers_to():
+    first = with_definitions(ROUTE["properties"]["first"], ROUTE)
+    assert first == {"$ref": "#/$defs/Stop", "$defs": {"Stop": STOP}}
+    assert valid({"city": "Oslo"}, first) and not valid({}, first)
+    check_grammar(f"start: %json {json.dumps(first)}\n")
+    plain = {"type": "integer"}
+    assert with_definitions(plain, ROUTE) is plain  # no reference: nothing added

@@ -311,3 +311,12 @@ def test_trailing_blanks_of_plain_content_are_kept():
 ])
 def test_parser_detected_from_template_then_model_type(source, model_type, expected):
     assert detect_parser(ChatTemplateInfo(True, source, model_type)) == expected
+
+
+def test_a_tool_list_written_into_the_prompt_shows_the_parameters_as_declared():
+    """The model reads the schema the request sent; the grammar's reading of it (objects closed, integers
+    bounded) is for decoding only."""
+    declared = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tools = [{"type": "function", "function": {"name": "count", "description": "Counts", "parameters": declared}}]
+    text = PARSERS["deepseek_v3"]().prompt_tools(tools)
+    assert f"Parameters: {json.dumps(declared)}\n" in text

@@ -9,11 +9,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from server.json_schemas import as_llama_cpp_reads
+from server.json_schemas import as_llama_cpp_reads, placed_at, with_definitions
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # a name a format writes bare, without JSON quotes
-# JSON written one way, as templates show it ({"a": 1, "b": 2}): an unsure model cannot run on in blanks
-COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's options for JSON a model writes under a request's schema:
+# - written one way, as templates show it ({"a": 1, "b": 2}): an unsure model cannot run on in blanks;
+# - lenient: a keyword or string format it cannot enforce is ignored and `oneOf` is read as `anyOf`, as
+#   llama.cpp reads a schema (pydantic writes `uniqueItems` for a set, `oneOf` for a discriminated union,
+#   format "password" for a SecretStr; strict, each would be a 400).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
 
 @dataclass(frozen=True)
@@ -108,13 +112,17 @@ class BlockParser(ToolParser):
 def call_schema(tools: list[dict], name: str | None, arguments_key: str = "arguments") -> dict:
     """JSON schema of `{"name": ..., "arguments": {...}}` for one of `tools` (only `name`, if given);
     `arguments_key`: the format's name for the arguments."""
+    chosen = functions(tools, name)
+    # where each function's arguments sit in the whole schema: their `$ref`s must point there
+    places = [f"/properties/{arguments_key}"] if len(chosen) == 1 else \
+        [f"/anyOf/{i}/properties/{arguments_key}" for i in range(len(chosen))]
     options = [
         {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-         "properties": {"name": {"const": f["name"]}, arguments_key: parameters_schema(f)}}
-        for f in functions(tools, name)
+         "properties": {"name": {"const": f["name"]}, arguments_key: placed_at(parameters_schema(f), place)}}
+        for f, place in zip(chosen, places)
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": COMPACT}
+    return {**schema, "x-guidance": JSON_OPTIONS}
 
 
 def functions(tools: list[dict], name: str | None) -> list[dict]:
@@ -122,19 +130,29 @@ def functions(tools: list[dict], name: str | None) -> list[dict]:
     return [f for f in (tool["function"] for tool in tools) if name is None or f["name"] == name]
 
 
+def declared_parameters(function: dict) -> dict:
+    """The function's `parameters` as the request declares them (what a prompt shows the model)."""
+    return function.get("parameters") or {"type": "object"}
+
+
 def parameters_schema(function: dict) -> dict:
-    """The schema a call's arguments are decoded under: the function's `parameters`, its objects closed
-    to the keys they list (as llama.cpp and vLLM read it)."""
-    return as_llama_cpp_reads(function.get("parameters") or {"type": "object"})
+    """The schema a call's arguments are decoded under: the declared one as llama.cpp reads it."""
+    return as_llama_cpp_reads(declared_parameters(function))
+
+
+def parameter_schemas(function: dict) -> dict[str, dict]:
+    """Each declared parameter's schema, to be used on its own (with the definitions it refers to)."""
+    schema = parameters_schema(function)
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    return {key: with_definitions(spec, schema) if isinstance(spec, dict) else {} for key, spec in properties.items()}
 
 
 def parameter_rules(function: dict, pair_rule: Callable[[str, dict], str]) -> list[str]:
     """Lark pieces for a function's declared parameters in the schema's order, each written by
     `pair_rule(key, spec)`; an optional one may be left out."""
-    schema = parameters_schema(function)
-    required = set(schema.get("required") or ())
-    return [f"({pair_rule(key, spec if isinstance(spec, dict) else {})})" + ("" if key in required else "?")
-            for key, spec in (schema.get("properties") or {}).items()]
+    required = set(parameters_schema(function).get("required") or ())
+    return [f"({pair_rule(key, spec)})" + ("" if key in required else "?")
+            for key, spec in parameter_schemas(function).items()]
 
 
 def ordered_pairs(pairs: list[str], required: list[bool]) -> str | None:
@@ -156,7 +174,7 @@ def arguments_rule(function: dict) -> str:
 
 def json_rule(schema: dict) -> str:
     """A Lark rule body for JSON that `schema` accepts, written as templates show JSON."""
-    return f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
 def bare_value(text: str, declared: Any) -> Any:

@@ -16,9 +16,9 @@ from server.tool_parsers.base import (
     Match,
     ToolParser,
     arguments_rule,
+    declared_parameters,
     function_call,
     malformed,
-    parameters_schema,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -63,7 +63,7 @@ class DeepSeekV3Parser(ToolParser):
 
     def prompt_tools(self, tools: list[dict]) -> str | None:
         described = "".join(f"\n### {f['name']}\nDescription: {f.get('description', '')}\n\n"
-                            f"Parameters: {json.dumps(parameters_schema(f), ensure_ascii=False)}\n"
+                            f"Parameters: {json.dumps(declared_parameters(f), ensure_ascii=False)}\n"
                             for f in (tool["function"] for tool in tools))
         call = "function" + SEP + "tool_call_name\n```json\ntool_call_arguments\n```" if self.fenced else \
             "tool_call_name" + SEP + "tool_call_arguments"

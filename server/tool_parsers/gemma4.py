@@ -55,7 +55,7 @@ class Gemma4Parser(BlockParser):
 
     def call_grammar(self, tools: list[dict], name: str | None) -> str | None:
         rules = _Rules(self.literal(QUOTE))
-        calls = [f'{json.dumps("call:" + f["name"])} {rules.object(parameters_schema(f), f"c{i}")}'
+        calls = [f'{json.dumps("call:" + f["name"])} {rules.arguments(parameters_schema(f), f"c{i}")}'
                  for i, f in enumerate(functions(tools, name))]
         return (f"start: {self.literal(OPEN)} call {self.literal(CLOSE)}\n"
                 f"call: {' | '.join(f'({c})' for c in calls)}\n" + "\n".join(rules.lines) + "\n")
@@ -140,6 +140,13 @@ class _Rules:
         self.quote = quote
         self.lines: list[str] = []
         self._generic: str | None = None
+        self._root: dict = {}  # the schema of the arguments written now: its `$ref`s point into it
+        self._expanding: set[str] = set()  # the `$ref`s being written out (one met again is recursion)
+
+    def arguments(self, schema: dict, name: str) -> str:
+        """A rule body for a call's arguments under `schema`."""
+        self._root = schema
+        return self.object(schema, name)
 
     def add(self, name: str, body: str) -> str:
         self.lines.append(f"{name}: {body}")
@@ -147,6 +154,13 @@ class _Rules:
 
     def value(self, spec: Any, name: str) -> str:
         spec = spec if isinstance(spec, dict) else {}
+        target = self._referred(spec)
+        if target is not None:  # a definition (pydantic's nested models): written out where it is used
+            self._expanding.add(spec["$ref"])
+            try:
+                return self.value(target, name)
+            finally:
+                self._expanding.discard(spec["$ref"])
         choices = [spec["const"]] if "const" in spec else spec.get("enum")
         if choices:
             return self.add(name, " | ".join(self._constant(c) for c in choices))
@@ -164,7 +178,7 @@ class _Rules:
         if kind == "array" and isinstance(spec.get("items"), dict):  # item counts are not kept
             item = self.value(spec["items"], f"{name}_i")
             return self.add(name, f'"[" ({item} ("," {item})*)? "]"')
-        # type lists, anyOf/oneOf, $ref, open objects: too much for hand-written rules, any value
+        # type lists, anyOf/oneOf, a recursive $ref, open objects: too much for hand-written rules, any value
         return self.generic()
 
     def object(self, schema: dict, name: str) -> str:
@@ -181,6 +195,18 @@ class _Rules:
         if inner is None:
             return '"{}"'
         return f'"{{" ({inner}){"" if required & set(keys) else "?"} "}}"'
+
+    def _referred(self, spec: dict) -> dict | None:
+        """The definition `spec` refers to (`"$ref": "#/$defs/NAME"`), unless it is already being written out."""
+        ref = spec.get("$ref")
+        if not isinstance(ref, str) or ref in self._expanding:
+            return None
+        for keyword in ("$defs", "definitions"):
+            prefix = f"#/{keyword}/"
+            if ref.startswith(prefix) and isinstance(self._root.get(keyword), dict):
+                target = self._root[keyword].get(ref.removeprefix(prefix))
+                return target if isinstance(target, dict) else None
+        return None
 
     def generic(self) -> str:
         if self._generic is None:

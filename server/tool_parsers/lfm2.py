@@ -13,6 +13,7 @@ from server.tool_parsers.base import (
     json_calls,
     json_rule,
     ordered_pairs,
+    parameter_schemas,
     parameters_schema,
 )
 from server.tool_parsers.pythonic import python_calls
@@ -39,12 +40,11 @@ class Lfm2Parser(BlockParser):
         """One call in the list form, its arguments in the schema's order as JSON values (which the form reads)."""
         lines, calls = [], []
         for i, function in enumerate(functions(tools, name)):
-            schema = parameters_schema(function)
-            properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-            required = set(schema.get("required") or ())
+            properties = parameter_schemas(function)
+            required = set(parameters_schema(function).get("required") or ())
             pairs = []
             for k, (key, spec) in enumerate(properties.items()):
-                lines.append(f"c{i}_v{k}: {json_rule(spec if isinstance(spec, dict) else {})}")
+                lines.append(f"c{i}_v{k}: {json_rule(spec)}")
                 pairs.append(f'{json.dumps(key + "=")} c{i}_v{k}')
             inner = ordered_pairs(pairs, [key in required for key in properties])
             arguments = "" if inner is None else f" ({inner}){'' if required & set(properties) else '?'}"
