@@ -135,7 +135,7 @@ def _lists_all_its_keys(node: dict[str, Any]) -> bool:
 
 
 def _merged_refs(node: Any) -> set[str]:
-    """The `$ref`s whose target is merged with another schema (see `close_objects`)."""
+    """The `$ref`s whose target is merged with another schema (see `as_llama_cpp_reads`)."""
     refs: set[str] = set()
     stack = [node]
     while stack:
