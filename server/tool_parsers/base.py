@@ -140,9 +140,9 @@ def parameters_schema(function: dict) -> dict:
     return as_llama_cpp_reads(declared_parameters(function))
 
 
-def parameter_schemas(function: dict) -> dict[str, dict]:
-    """Each declared parameter's schema, to be used on its own (with the definitions it refers to)."""
-    schema = parameters_schema(function)
+def parameter_schemas(schema: dict) -> dict[str, dict]:
+    """Each parameter's schema in `schema` (a `parameters_schema`), to be used on its own (with the
+    definitions it refers to)."""
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     return {key: with_definitions(spec, schema) if isinstance(spec, dict) else {} for key, spec in properties.items()}
 
@@ -150,9 +150,10 @@ def parameter_schemas(function: dict) -> dict[str, dict]:
 def parameter_rules(function: dict, pair_rule: Callable[[str, dict], str]) -> list[str]:
     """Lark pieces for a function's declared parameters in the schema's order, each written by
     `pair_rule(key, spec)`; an optional one may be left out."""
-    required = set(parameters_schema(function).get("required") or ())
+    schema = parameters_schema(function)
+    required = set(schema.get("required") or ())
     return [f"({pair_rule(key, spec)})" + ("" if key in required else "?")
-            for key, spec in parameter_schemas(function).items()]
+            for key, spec in parameter_schemas(schema).items()]
 
 
 def ordered_pairs(pairs: list[str], required: list[bool]) -> str | None:

@@ -40,8 +40,9 @@ class Lfm2Parser(BlockParser):
         """One call in the list form, its arguments in the schema's order as JSON values (which the form reads)."""
         lines, calls = [], []
         for i, function in enumerate(functions(tools, name)):
-            properties = parameter_schemas(function)
-            required = set(parameters_schema(function).get("required") or ())
+            schema = parameters_schema(function)
+            properties = parameter_schemas(schema)
+            required = set(schema.get("required") or ())
             pairs = []
             for k, (key, spec) in enumerate(properties.items()):
                 lines.append(f"c{i}_v{k}: {json_rule(spec)}")
